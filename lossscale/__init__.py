@@ -1,0 +1,31 @@
+"""lossscale: loss scaling for mixed-precision training with JAX and optax.
+
+Pure-functional loss-scale states (no-op, static, dynamic) that are pytrees,
+and an optax wrapper that unscales gradients, skips non-finite updates
+without a host round-trip, and adapts the scale.
+"""
+
+from lossscale._inspect import get_loss_scale, metrics
+from lossscale._scales import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+)
+from lossscale._transform import LossScaledState, loss_scaled
+from lossscale._tree import all_finite, select_tree
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "DynamicLossScale",
+    "LossScale",
+    "LossScaledState",
+    "NoOpLossScale",
+    "StaticLossScale",
+    "all_finite",
+    "get_loss_scale",
+    "loss_scaled",
+    "metrics",
+    "select_tree",
+)

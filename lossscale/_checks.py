@@ -1,0 +1,162 @@
+"""Eager validation of static configuration.
+
+Every public constructor and factory funnels its Python arguments through
+these helpers, so that a bad value fails at construction time with a
+``TypeError``/``ValueError`` that names the argument and the value it got.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Hashable
+from typing import Any
+
+import jax
+import numpy as np
+
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def is_concrete(value: Any) -> bool:
+    """Whether ``value`` can be inspected in Python (it is not a tracer)."""
+    return not isinstance(value, jax.core.Tracer)
+
+
+def scalar_float(name: str, value: Any) -> Any:
+    """Checks that ``value`` is a real scalar and returns it as float32.
+
+    Python numbers and concrete arrays come back as a 0-d ``np.float32``
+    array; tracers (a scale built inside a traced function) come back as
+    float32 tracers, their value unchecked.
+    """
+    if isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name} must be a real number, got {name}={value!r}.")
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        if not isinstance(value, numbers.Real):
+            raise TypeError(
+                f"{name} must be a real number, got {name}={value!r} "
+                f"of type {type(value).__name__}."
+            )
+    elif not (
+        np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)
+    ) or np.issubdtype(dtype, np.bool_):
+        raise TypeError(
+            f"{name} must have a real floating or integer dtype, got "
+            f"{name} with dtype {dtype}."
+        )
+    if np.ndim(value) != 0:
+        raise ValueError(
+            f"{name} must be a scalar, got {name} with shape {np.shape(value)}."
+        )
+    if not is_concrete(value):
+        return value.astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        as_f32 = np.asarray(value, dtype=np.float32)
+    return as_f32
+
+
+def positive_finite(name: str, value: Any) -> Any:
+    """A finite, strictly positive float32 scalar (see :func:`scalar_float`)."""
+    as_f32 = scalar_float(name, value)
+    if is_concrete(as_f32) and not (
+        np.isfinite(as_f32) and float(as_f32) > 0.0
+    ):
+        raise ValueError(
+            f"{name} must be finite and > 0 in float32, got {name}={value!r}."
+        )
+    return as_f32
+
+
+def python_float(name: str, value: Any, *, low: float, high: float) -> float:
+    """A Python float in the open interval ``(low, high)``."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{name} is static configuration and must be a Python number, "
+            f"got a traced value {name}={value!r}."
+        )
+    as_f32 = scalar_float(name, value)
+    result = float(as_f32)
+    if not (np.isfinite(result) and low < result < high):
+        raise ValueError(
+            f"{name} must be in the open interval ({low}, {high}), "
+            f"got {name}={value!r}."
+        )
+    return result
+
+
+def positive_int(name: str, value: Any) -> int:
+    """A Python int in ``[1, 2**31 - 1]`` (it is compared with int32 state)."""
+    if isinstance(value, bool | np.bool_) or not isinstance(
+        value, numbers.Integral
+    ):
+        raise TypeError(
+            f"{name} must be a positive integer, got {name}={value!r} "
+            f"of type {type(value).__name__}."
+        )
+    if not 1 <= int(value) <= np.iinfo(np.int32).max:
+        raise ValueError(
+            f"{name} must be a positive integer that fits in int32, got "
+            f"{name}={value!r}."
+        )
+    return int(value)
+
+
+def axis_name(value: Any) -> Hashable | tuple[Hashable, ...] | None:
+    """``None``, one mapped-axis name, or a tuple of distinct names."""
+    if value is None:
+        return None
+    if isinstance(value, tuple):
+        if not value:
+            raise ValueError(
+                "axis_name must be a name or a non-empty tuple of names, "
+                "got axis_name=()."
+            )
+        for item in value:
+            if (
+                item is None
+                or isinstance(item, tuple | list)
+                or not (isinstance(item, Hashable))
+            ):
+                raise TypeError(
+                    "axis_name must be a name or a tuple of names, got "
+                    f"axis_name={value!r} (bad element {item!r})."
+                )
+        if len(set(value)) != len(value):
+            raise ValueError(
+                f"axis_name must not repeat a name, got axis_name={value!r}."
+            )
+        return value
+    if isinstance(value, list | set | dict) or not isinstance(value, Hashable):
+        raise TypeError(
+            "axis_name must be a name or a tuple of names, got "
+            f"axis_name={value!r} of type {type(value).__name__}."
+        )
+    return value
+
+
+def scalar_bool(name: str, value: Any) -> jax.Array:
+    """A boolean scalar (Python bool or bool array of shape ``()``)."""
+    import jax.numpy as jnp
+
+    dtype = getattr(value, "dtype", None)
+    if dtype is None and not isinstance(value, bool | np.bool_):
+        raise TypeError(
+            f"{name} must be a boolean scalar, got {name}={value!r} "
+            f"of type {type(value).__name__}."
+        )
+    if dtype is not None and dtype != np.bool_:
+        raise TypeError(
+            f"{name} must be a boolean scalar, got {name} with dtype {dtype}."
+        )
+    if np.ndim(value) != 0:
+        raise ValueError(
+            f"{name} must be a boolean scalar, got {name} with shape "
+            f"{np.shape(value)}. Reduce it first, e.g. with "
+            "lossscale.all_finite(grads)."
+        )
+    return jnp.asarray(value, dtype=jnp.bool_)
+
+
+def f32_max() -> float:
+    return _F32_MAX

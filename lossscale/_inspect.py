@@ -1,0 +1,121 @@
+"""Finding the loss scale inside (nested) optimizer states, and metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from lossscale._scales import LossScale
+from lossscale._transform import LossScaledState
+
+
+def _is_state(x: Any) -> bool:
+    return isinstance(x, LossScaledState)
+
+
+def _find_states(
+    opt_state: Any, prefix: str = ""
+) -> list[tuple[str, LossScaledState]]:
+    found = []
+    leaves = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_state)[
+        0
+    ]
+    for path, leaf in leaves:
+        if _is_state(leaf):
+            where = prefix + jax.tree_util.keystr(path)
+            found.append((where, leaf))
+            found.extend(_find_states(leaf.inner_state, where + ".inner_state"))
+    return found
+
+
+def _find_one(opt_state: Any, caller: str) -> LossScaledState:
+    if _is_state(opt_state):
+        nested = _find_states(opt_state.inner_state)
+        found = [("", opt_state), *nested]
+    else:
+        found = _find_states(opt_state)
+    if not found:
+        raise ValueError(
+            f"{caller} found no LossScaledState in opt_state (of type "
+            f"{type(opt_state).__name__}); was the optimizer built with "
+            "lossscale.loss_scaled(...)?"
+        )
+    if len(found) > 1:
+        paths = ", ".join(repr("opt_state" + path) for path, _ in found)
+        raise ValueError(
+            f"{caller} found {len(found)} LossScaledStates in opt_state, at "
+            f"{paths}; pass the one you mean."
+        )
+    return found[0][1]
+
+
+def get_loss_scale(opt_state: Any) -> LossScale:
+    """Returns the loss-scale state held inside an optimizer state.
+
+    Searches any nesting of optax states (``optax.chain``,
+    ``optax.MultiSteps``, ``optax.inject_hyperparams``,
+    ``optax.multi_transform``, a flax optimizer's ``opt_state``) for the
+    single :class:`LossScaledState` and returns its ``loss_scale``: the scale
+    to use for the next forward pass. Works inside ``jit``.
+
+    Args:
+        opt_state: an optimizer state containing exactly one
+            :class:`LossScaledState`.
+
+    Returns:
+        The loss-scale state, e.g. a :class:`DynamicLossScale`.
+
+    Raises:
+        ValueError: if there is no :class:`LossScaledState`, or more than one
+            (the message lists where; pass the sub-state you mean).
+
+    Examples:
+        >>> import jax.numpy as jnp, optax
+        >>> import lossscale
+        >>> tx = optax.MultiSteps(
+        ...     lossscale.loss_scaled(optax.adam(1e-3),
+        ...                           lossscale.StaticLossScale(128.0)),
+        ...     every_k_schedule=2)
+        >>> state = tx.init({"w": jnp.zeros(3)})
+        >>> lossscale.get_loss_scale(state).loss_scale
+        array(128., dtype=float32)
+    """
+    return _find_one(opt_state, "get_loss_scale").loss_scale
+
+
+def metrics(opt_state: Any) -> dict[str, jax.Array]:
+    """Loss-scaling metrics, as a flat dict of scalar arrays, ready to log.
+
+    Always present:
+
+    - ``"loss_scale"``: the scale for the next step (float32);
+    - ``"grads_finite"``: whether the last step was applied (bool);
+    - ``"skipped_steps"``: skipped steps since ``init`` (int32);
+    - ``"consecutive_skips"``: skipped steps since the last applied one.
+
+    A :class:`DynamicLossScale` adds ``"growth_tracker"``,
+    ``"hysteresis_tracker"`` and ``"at_min_scale"``; any loss-scale policy
+    with a ``metrics()`` method adds its own keys. No value leaves the
+    device: call it inside ``jit`` and fetch when you log.
+
+    Args:
+        opt_state: an optimizer state containing exactly one
+            :class:`LossScaledState` (see :func:`get_loss_scale`).
+
+    Returns:
+        A dict from metric name to scalar array.
+    """
+    state = _find_one(opt_state, "metrics")
+    scale = state.loss_scale
+    out = {
+        "loss_scale": jnp.asarray(scale.loss_scale, jnp.float32),
+        "grads_finite": jnp.asarray(state.grads_finite, jnp.bool_),
+        "skipped_steps": jnp.asarray(state.skipped_steps, jnp.int32),
+        "consecutive_skips": jnp.asarray(state.consecutive_skips, jnp.int32),
+    }
+    extra = getattr(scale, "metrics", None)
+    if callable(extra):
+        out.update(extra())
+    return out

@@ -1,0 +1,410 @@
+"""Loss-scale states: no-op, static and dynamic.
+
+Each state is an immutable pytree. Values that change while training (the
+scale, the counters) are leaves with pinned dtypes (float32, int32); the
+configuration is static pytree metadata, so it survives ``jax.jit``,
+``jax.tree.map``, flatten/unflatten and checkpoint restore unchanged and is
+never traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lossscale import _checks, _tree
+
+T = TypeVar("T")
+S = TypeVar("S", bound="LossScale")
+
+_MARK = "lossscale_static"
+
+
+def _static(**kwargs: Any) -> Any:
+    return dataclasses.field(metadata={_MARK: True}, **kwargs)
+
+
+def _register(cls: type[T]) -> type[T]:
+    """Registers a frozen dataclass as a pytree with keyed leaves.
+
+    Fields marked with :func:`_static` are treedef metadata; every other
+    field is a leaf. Unflattening bypasses ``__init__`` (and therefore its
+    validation), because leaves are not always arrays: ``jax.tree.map``,
+    ``vmap`` and ``eval_shape`` rebuild states out of tracers, shape structs
+    or ``None``.
+    """
+    fields = dataclasses.fields(cls)
+    data = tuple(f.name for f in fields if not f.metadata.get(_MARK))
+    meta = tuple(f.name for f in fields if f.metadata.get(_MARK))
+    keys = tuple(jax.tree_util.GetAttrKey(name) for name in data)
+
+    def flatten_with_keys(obj):
+        children = tuple(
+            (k, getattr(obj, n)) for k, n in zip(keys, data, strict=True)
+        )
+        return children, tuple(getattr(obj, n) for n in meta)
+
+    def flatten(obj):
+        return (
+            tuple(getattr(obj, n) for n in data),
+            tuple(getattr(obj, n) for n in meta),
+        )
+
+    def unflatten(aux, children):
+        obj = object.__new__(cls)
+        for name, value in zip(data, children, strict=True):
+            object.__setattr__(obj, name, value)
+        for name, value in zip(meta, aux, strict=True):
+            object.__setattr__(obj, name, value)
+        return obj
+
+    jax.tree_util.register_pytree_with_keys(
+        cls, flatten_with_keys, unflatten, flatten
+    )
+    cls._data_fields = data  # type: ignore[attr-defined]
+    cls._static_fields = meta  # type: ignore[attr-defined]
+    return cls
+
+
+def _replace(obj: S, **changes: Any) -> S:
+    """A copy of ``obj`` with some fields changed, without re-validation."""
+    new = object.__new__(type(obj))
+    for field in dataclasses.fields(obj):
+        value = changes.pop(field.name, getattr(obj, field.name))
+        object.__setattr__(new, field.name, value)
+    if changes:
+        raise TypeError(f"unknown fields {sorted(changes)}")
+    return new
+
+
+def _scale_leaf(x: Any, scale: jax.Array) -> Any:
+    if not _tree.is_float(x):
+        return x
+    x = jnp.asarray(x)
+    dtype = _tree.compute_dtype(x.dtype)
+    return x.astype(dtype) * jnp.asarray(scale).astype(dtype)
+
+
+def _unscale_leaf(x: Any, inv_scale: jax.Array) -> Any:
+    if not _tree.is_float(x):
+        return x
+    x = jnp.asarray(x)
+    dtype = _tree.compute_dtype(x.dtype)
+    return (x.astype(dtype) * inv_scale.astype(dtype)).astype(x.dtype)
+
+
+def _scale_tree(tree: T, loss_scale: Any) -> T:
+    return jax.tree.map(lambda x: _scale_leaf(x, loss_scale), tree)
+
+
+def _unscale_tree(tree: T, loss_scale: Any) -> T:
+    inv_scale = jnp.reciprocal(jnp.asarray(loss_scale, jnp.float32))
+    return jax.tree.map(lambda x: _unscale_leaf(x, inv_scale), tree)
+
+
+@runtime_checkable
+class LossScale(Protocol):
+    """The loss-scale protocol that :func:`lossscale.loss_scaled` accepts.
+
+    Any immutable pytree with these members is a loss scale: the built-in
+    :class:`NoOpLossScale`, :class:`StaticLossScale` and
+    :class:`DynamicLossScale`, or a policy of your own. Values that change
+    from step to step must be pytree leaves with fixed dtypes; configuration
+    should be static metadata. A ``metrics()`` method returning a dict of
+    scalar arrays is optional and, when present, is merged into
+    :func:`lossscale.metrics`.
+    """
+
+    @property
+    def loss_scale(self) -> jax.Array:
+        """The current scale, a float32 scalar."""
+        ...
+
+    def scale(self, tree: T) -> T:
+        """Multiplies the floating leaves of ``tree`` by the scale."""
+        ...
+
+    def unscale(self, tree: T) -> T:
+        """Divides the floating leaves of ``tree`` by the scale."""
+        ...
+
+    def adjust(self: S, grads_finite: jax.typing.ArrayLike) -> S:
+        """The state for the next step, given this step's finiteness."""
+        ...
+
+
+@_register
+@dataclasses.dataclass(frozen=True, eq=False)
+class NoOpLossScale:
+    """A loss scale that does nothing: the scale is 1 and never changes.
+
+    ``scale`` and ``unscale`` return their argument itself (no copy, no
+    cast), so a train step written for loss scaling runs unchanged, and at
+    no cost, in float32 or bfloat16. Wrapped in :func:`loss_scaled` it still
+    skips non-finite steps.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import lossscale
+        >>> ls = lossscale.NoOpLossScale()
+        >>> ls.loss_scale
+        Array(1., dtype=float32)
+        >>> ls.scale(jnp.float32(3.0))
+        Array(3., dtype=float32)
+    """
+
+    @property
+    def loss_scale(self) -> jax.Array:
+        return jnp.ones((), jnp.float32)
+
+    def scale(self, tree: T) -> T:
+        return tree
+
+    def unscale(self, tree: T) -> T:
+        return tree
+
+    def adjust(self, grads_finite: jax.typing.ArrayLike) -> NoOpLossScale:
+        _checks.scalar_bool("grads_finite", grads_finite)
+        return self
+
+    def metrics(self) -> dict[str, jax.Array]:
+        return {}
+
+
+@_register
+@dataclasses.dataclass(frozen=True, eq=False, init=False)
+class StaticLossScale:
+    """A fixed loss scale.
+
+    The scale is a float32 pytree leaf, not static configuration: a jitted
+    step that takes the state as an argument is traced once, whatever value
+    the scale has (jmp's ``StaticLossScale`` retraces for every value).
+
+    Args:
+        loss_scale: the scale, a finite number > 0 (stored as float32). A
+            power of two makes unscaling exact.
+
+    Raises:
+        TypeError: if ``loss_scale`` is not a real number.
+        ValueError: if it is not a finite positive float32 scalar.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import lossscale
+        >>> ls = lossscale.StaticLossScale(2.0**10)
+        >>> ls.scale(jnp.float16(2.0))  # scaled in float32
+        Array(2048., dtype=float32)
+        >>> ls.unscale(jnp.array([2048.0], jnp.float16))  # dtype kept
+        Array([2.], dtype=float16)
+    """
+
+    loss_scale: jax.Array
+
+    def __init__(self, loss_scale: jax.typing.ArrayLike):
+        value = _checks.positive_finite("loss_scale", loss_scale)
+        object.__setattr__(self, "loss_scale", value)
+
+    def scale(self, tree: T) -> T:
+        return _scale_tree(tree, self.loss_scale)
+
+    def unscale(self, tree: T) -> T:
+        return _unscale_tree(tree, self.loss_scale)
+
+    def adjust(self, grads_finite: jax.typing.ArrayLike) -> StaticLossScale:
+        _checks.scalar_bool("grads_finite", grads_finite)
+        return self
+
+    def metrics(self) -> dict[str, jax.Array]:
+        return {}
+
+
+@_register
+@dataclasses.dataclass(frozen=True, eq=False, init=False)
+class DynamicLossScale:
+    r"""A loss scale that backs off on overflow and grows after clean runs.
+
+    With ``hysteresis=1`` this is PyTorch's ``torch.amp.GradScaler``; with
+    ``hysteresis=h > 1`` it is Megatron-LM's ``DynamicGradScaler``. Given the
+    finiteness of a step's gradients, :meth:`adjust` does exactly::
+
+        if finite:
+            growth_tracker += 1
+            if growth_tracker == growth_interval:   # steps N, 2N, 3N, ...
+                scale *= growth_factor
+                growth_tracker = 0
+                hysteresis_tracker = hysteresis
+        else:
+            growth_tracker = 0
+            hysteresis_tracker = max(hysteresis_tracker - 1, 0)
+            if hysteresis_tracker == 0:
+                scale *= backoff_factor
+        scale = clip(scale, min_loss_scale, max_loss_scale)
+
+    So with interval 2 and only finite steps the scale grows on steps 2, 4,
+    6, ...; with ``hysteresis=2`` the first overflow after a growth (or
+    after the start) leaves the scale alone and every further overflow
+    backs it off, until the next growth refills the tracker. Overflowing
+    steps are skipped by :func:`lossscale.loss_scaled` whatever the
+    hysteresis. The scale always stays in ``[min_loss_scale,
+    max_loss_scale]``: it can never become 0, inf or NaN. With power-of-two
+    factors and bounds, every scale is the initial scale times a power of
+    two, so unscaling is exact.
+
+    Leaves (float32/int32 scalars): ``loss_scale``, ``growth_tracker``
+    (consecutive finite steps since the last growth or overflow) and
+    ``hysteresis_tracker`` (overflows still tolerated). Static: every
+    keyword argument below.
+
+    Args:
+        loss_scale: the initial scale, in ``[min_loss_scale,
+            max_loss_scale]``. Default ``2**16``, PyTorch's.
+        growth_interval: consecutive finite steps before the scale grows.
+        growth_factor: the factor applied on growth, > 1.
+        backoff_factor: the factor applied on overflow, in (0, 1).
+        min_loss_scale: the floor, > 0. Default 1, as in jmp and Megatron-LM.
+        max_loss_scale: the ceiling, finite in float32. Default ``2**24``,
+            as in Apex: beyond it float16 gradients of typical models
+            overflow on every step anyway.
+        hysteresis: overflows tolerated before the first backoff, as in
+            Megatron-LM (which defaults to 2). Default 1: back off on every
+            overflow.
+
+    Raises:
+        TypeError: if an argument has the wrong type (e.g. a float
+            ``growth_interval``).
+        ValueError: if a value is out of range, ``min_loss_scale >
+            max_loss_scale`` or the initial scale is outside them.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import lossscale
+        >>> ls = lossscale.DynamicLossScale(2.0**15, growth_interval=2)
+        >>> ls = ls.adjust(jnp.bool_(True)).adjust(jnp.bool_(True))
+        >>> ls.loss_scale
+        Array(65536., dtype=float32)
+        >>> ls.adjust(jnp.bool_(False)).loss_scale
+        Array(32768., dtype=float32)
+
+    References:
+        Micikevicius et al., `Mixed Precision Training
+        <https://arxiv.org/abs/1710.03740>`_, 2017.
+    """
+
+    loss_scale: jax.Array
+    growth_tracker: jax.Array
+    hysteresis_tracker: jax.Array
+    growth_interval: int = _static()
+    growth_factor: float = _static()
+    backoff_factor: float = _static()
+    min_loss_scale: float = _static()
+    max_loss_scale: float = _static()
+    hysteresis: int = _static()
+
+    def __init__(
+        self,
+        loss_scale: jax.typing.ArrayLike = 2.0**16,
+        *,
+        growth_interval: int = 2000,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        min_loss_scale: float = 1.0,
+        max_loss_scale: float = 2.0**24,
+        hysteresis: int = 1,
+    ):
+        f32_max = _checks.f32_max()
+        growth_interval = _checks.positive_int(
+            "growth_interval", growth_interval
+        )
+        hysteresis = _checks.positive_int("hysteresis", hysteresis)
+        growth_factor = _checks.python_float(
+            "growth_factor", growth_factor, low=1.0, high=np.inf
+        )
+        backoff_factor = _checks.python_float(
+            "backoff_factor", backoff_factor, low=0.0, high=1.0
+        )
+        min_loss_scale = _checks.python_float(
+            "min_loss_scale", min_loss_scale, low=0.0, high=np.inf
+        )
+        max_loss_scale = _checks.python_float(
+            "max_loss_scale", max_loss_scale, low=0.0, high=np.inf
+        )
+        if max_loss_scale > f32_max:
+            raise ValueError(
+                "max_loss_scale must be finite in float32, got "
+                f"max_loss_scale={max_loss_scale!r}."
+            )
+        if min_loss_scale > max_loss_scale:
+            raise ValueError(
+                "min_loss_scale must be <= max_loss_scale, got "
+                f"min_loss_scale={min_loss_scale!r} > "
+                f"max_loss_scale={max_loss_scale!r}."
+            )
+        scale = _checks.positive_finite("loss_scale", loss_scale)
+        if _checks.is_concrete(scale) and not (
+            min_loss_scale <= float(scale) <= max_loss_scale
+        ):
+            raise ValueError(
+                "loss_scale must be in [min_loss_scale, max_loss_scale] = "
+                f"[{min_loss_scale!r}, {max_loss_scale!r}], got "
+                f"loss_scale={loss_scale!r}."
+            )
+        set_ = object.__setattr__
+        set_(self, "loss_scale", scale)
+        set_(self, "growth_tracker", np.zeros((), np.int32))
+        set_(self, "hysteresis_tracker", np.full((), hysteresis, np.int32))
+        set_(self, "growth_interval", growth_interval)
+        set_(self, "growth_factor", growth_factor)
+        set_(self, "backoff_factor", backoff_factor)
+        set_(self, "min_loss_scale", min_loss_scale)
+        set_(self, "max_loss_scale", max_loss_scale)
+        set_(self, "hysteresis", hysteresis)
+
+    def scale(self, tree: T) -> T:
+        return _scale_tree(tree, self.loss_scale)
+
+    def unscale(self, tree: T) -> T:
+        return _unscale_tree(tree, self.loss_scale)
+
+    def adjust(self, grads_finite: jax.typing.ArrayLike) -> DynamicLossScale:
+        finite = _checks.scalar_bool("grads_finite", grads_finite)
+        scale = jnp.asarray(self.loss_scale, jnp.float32)
+        growth = jnp.asarray(self.growth_tracker, jnp.int32) + 1
+        hyst = jnp.asarray(self.hysteresis_tracker, jnp.int32)
+
+        grow = finite & (growth >= self.growth_interval)
+        hyst_after_overflow = jnp.maximum(hyst - 1, 0)
+        backoff = ~finite & (hyst_after_overflow == 0)
+        new_scale = jnp.where(
+            grow,
+            scale * self.growth_factor,
+            jnp.where(backoff, scale * self.backoff_factor, scale),
+        )
+        new_scale = jnp.clip(
+            new_scale, self.min_loss_scale, self.max_loss_scale
+        )
+        new_growth = jnp.where(finite & ~grow, growth, 0)
+        new_hyst = jnp.where(
+            grow,
+            self.hysteresis,
+            jnp.where(finite, hyst, hyst_after_overflow),
+        )
+        return _replace(
+            self,
+            loss_scale=new_scale.astype(jnp.float32),
+            growth_tracker=new_growth.astype(jnp.int32),
+            hysteresis_tracker=new_hyst.astype(jnp.int32),
+        )
+
+    def metrics(self) -> dict[str, jax.Array]:
+        return {
+            "growth_tracker": jnp.asarray(self.growth_tracker, jnp.int32),
+            "hysteresis_tracker": jnp.asarray(
+                self.hysteresis_tracker, jnp.int32
+            ),
+            "at_min_scale": jnp.asarray(self.loss_scale, jnp.float32)
+            <= self.min_loss_scale,
+        }

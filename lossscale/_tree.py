@@ -1,0 +1,212 @@
+"""Tree utilities: the finiteness check, a checked select, leaf masks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from lossscale import _checks
+
+PyTree = Any
+MaskOrFn = PyTree | Callable[[PyTree], PyTree] | None
+
+
+def is_float(x: Any) -> bool:
+    """Whether a leaf holds inexact (real or complex floating) values.
+
+    Integer, boolean and other leaves are never scaled or checked, so that
+    step counters, PRNG keys and integer buffers stored next to gradients
+    pass through untouched.
+    """
+    try:
+        dtype = jnp.result_type(x)
+    except TypeError:
+        return False
+    return bool(jnp.issubdtype(dtype, jnp.inexact))
+
+
+def compute_dtype(dtype: Any) -> np.dtype:
+    """float32 for float16/bfloat16/float8; wider dtypes stay as they are.
+
+    Written out rather than ``jnp.promote_types``, which refuses float8 and
+    (under strict promotion) any mixed pair.
+    """
+    dtype = np.dtype(dtype)
+    if dtype.itemsize < 4 and not jnp.issubdtype(dtype, jnp.complexfloating):
+        return np.dtype(np.float32)
+    return dtype
+
+
+def _nonfinite_indicator(x: jax.Array) -> jax.Array:
+    """A float32 scalar: 0 if every element of ``x`` is finite, else NaN.
+
+    ``x * 0`` is 0 for finite ``x`` and NaN for +-inf and NaN, and a sum
+    propagates NaN, so a plain float reduction (which vectorises well on
+    every backend) does the work of an ``isfinite``/``all`` pair. float8
+    formats without an inf (``float8_e4m3fn``) report overflow as NaN, which
+    this catches too.
+    """
+    x = jnp.asarray(x)
+    if x.size == 0:
+        return jnp.zeros((), jnp.float32)
+    zeros = x * jnp.zeros((), x.dtype)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        zeros = jnp.real(zeros) + jnp.imag(zeros)
+    return jnp.sum(zeros, dtype=jnp.float32)
+
+
+def all_finite(tree: PyTree, *, axis_name: Any = None) -> jax.Array:
+    """Whether every floating leaf of ``tree`` is finite (no inf, no NaN).
+
+    Non-floating leaves (integers, booleans, PRNG keys) and ``None`` are
+    ignored; an empty tree is finite.
+
+    Args:
+        tree: a pytree of arrays, e.g. gradients.
+        axis_name: ``None``, or the name (or a tuple of names) of mapped axes
+            (``jax.pmap``, ``jax.shard_map``) over which to agree: the result
+            is then ``True`` on every device iff every device's ``tree`` is
+            finite. Only the boolean is reduced across devices (one scalar
+            all-reduce), whatever the caller does with the gradients. Under
+            plain ``jax.jit`` with globally sharded arrays no axis name is
+            needed: the reduction is global by construction.
+
+    Returns:
+        A boolean scalar array.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import lossscale
+        >>> lossscale.all_finite({"w": jnp.ones(3), "step": jnp.int32(7)})
+        Array(True, dtype=bool)
+        >>> lossscale.all_finite([jnp.array([1.0, jnp.inf])])
+        Array(False, dtype=bool)
+    """
+    axis_name = _checks.axis_name(axis_name)
+    indicators = [
+        _nonfinite_indicator(x) for x in jax.tree.leaves(tree) if is_float(x)
+    ]
+    if indicators:
+        finite = jnp.isfinite(jnp.sum(jnp.stack(indicators)))
+    else:
+        finite = jnp.ones((), jnp.bool_)
+    if axis_name is not None:
+        nonfinite = jnp.logical_not(finite).astype(jnp.int32)
+        finite = lax.psum(nonfinite, axis_name) == 0
+    return finite
+
+
+def select_tree(
+    pred: jax.typing.ArrayLike, on_true: PyTree, on_false: PyTree
+) -> PyTree:
+    """Selects ``on_true`` if ``pred`` else ``on_false``, leaf by leaf.
+
+    Branch-free (an elementwise select), so it is cheap inside ``jit`` and
+    works under ``vmap``. Unlike ``jnp.where`` it refuses to promote: both
+    trees must have the same structure and each pair of leaves the same
+    shape and dtype, so a selected state keeps its dtypes exactly.
+
+    Args:
+        pred: a boolean scalar.
+        on_true: the tree returned where ``pred`` is true.
+        on_false: the tree returned where ``pred`` is false.
+
+    Returns:
+        A tree with the structure of ``on_true``.
+
+    Raises:
+        TypeError: if ``pred`` is not a boolean scalar, or two leaves differ
+            in dtype.
+        ValueError: if the structures or two leaves' shapes differ.
+    """
+    pred = _checks.scalar_bool("pred", pred)
+    true_def = jax.tree.structure(on_true)
+    false_def = jax.tree.structure(on_false)
+    if true_def != false_def:
+        raise ValueError(
+            "on_true and on_false must have the same tree structure, got "
+            f"{true_def} and {false_def}."
+        )
+    paths_and_leaves = jax.tree_util.tree_leaves_with_path(on_true)
+    for (path, a), b in zip(
+        paths_and_leaves, jax.tree.leaves(on_false), strict=True
+    ):
+        a_dtype, b_dtype = jnp.result_type(a), jnp.result_type(b)
+        if a_dtype != b_dtype:
+            raise TypeError(
+                f"select_tree needs equal dtypes, got {a_dtype} and {b_dtype} "
+                f"at {jax.tree_util.keystr(path)}."
+            )
+        if np.shape(a) != np.shape(b):
+            raise ValueError(
+                f"select_tree needs equal shapes, got {np.shape(a)} and "
+                f"{np.shape(b)} at {jax.tree_util.keystr(path)}."
+            )
+    return jax.tree.map(lambda a, b: lax.select(pred, a, b), on_true, on_false)
+
+
+def check_mask(mask: MaskOrFn) -> MaskOrFn:
+    """Eager check of a mask argument: ``None``, a callable, or bool leaves."""
+    if mask is None or callable(mask):
+        return mask
+    _check_mask_leaves(mask)
+    return mask
+
+
+def _check_mask_leaves(mask_tree: PyTree) -> None:
+    leaves = jax.tree_util.tree_leaves_with_path(mask_tree)
+    for path, leaf in leaves:
+        if not isinstance(leaf, bool | np.bool_):
+            raise TypeError(
+                "mask leaves must be Python bools (True: loss-scale this leaf; "
+                f"False: leave it alone), got {leaf!r} at "
+                f"mask{jax.tree_util.keystr(path)}."
+            )
+
+
+def resolve_mask(mask: MaskOrFn, tree: PyTree) -> PyTree:
+    """A tree of bools with the structure of ``tree``.
+
+    ``mask`` may be a callable (called on ``tree``, as in ``optax.masked``),
+    a tree with the structure of ``tree``, or a prefix of it (one bool then
+    covers a whole subtree).
+    """
+    if mask is None:
+        return jax.tree.map(lambda _: True, tree)
+    mask_tree = mask(tree) if callable(mask) else mask
+    _check_mask_leaves(mask_tree)
+    try:
+        return jax.tree.map(
+            lambda m, sub: jax.tree.map(lambda _: bool(m), sub),
+            mask_tree,
+            tree,
+        )
+    except ValueError as err:
+        raise ValueError(
+            "mask must have the structure of the gradients (or a prefix of "
+            f"it), got mask structure {jax.tree.structure(mask_tree)} for "
+            f"gradients with structure {jax.tree.structure(tree)}."
+        ) from err
+
+
+def map_masked(
+    fn: Callable[[Any], Any], mask_tree: PyTree, tree: PyTree
+) -> PyTree:
+    """Applies ``fn`` to the leaves of ``tree`` whose mask is True."""
+    return jax.tree.map(lambda m, x: fn(x) if m else x, mask_tree, tree)
+
+
+def masked_leaves(mask_tree: PyTree, tree: PyTree) -> list[Any]:
+    """The leaves of ``tree`` whose mask is True."""
+    return [
+        x
+        for m, x in zip(
+            jax.tree.leaves(mask_tree), jax.tree.leaves(tree), strict=True
+        )
+        if m
+    ]
