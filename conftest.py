@@ -1,9 +1,27 @@
 """Test configuration shared by tests/ and the doctests in lossscale/.
 
-Strict dtype promotion turns any silent float16 -> float32 promotion in the
-library into an error, which is what a mixed-precision library must avoid.
+Every test runs under strict dtype promotion, which turns any silent
+float16 -> float32 promotion in the library into an error: what a
+mixed-precision library must avoid. optax's own optimizers (e.g. adam's
+bias correction) are not written for strict promotion, so tests that run
+them inside the wrapper opt out with ``@pytest.mark.standard_promotion``.
 """
 
 import jax
+import pytest
 
-jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "standard_promotion: run under JAX's standard dtype promotion "
+        "(for tests that run optax optimizers not written for strict mode)",
+    )
+
+
+@pytest.fixture(autouse=True)
+def _dtype_promotion(request):
+    marker = request.node.get_closest_marker("standard_promotion")
+    mode = "standard" if marker else "strict"
+    with jax.numpy_dtype_promotion(mode):
+        yield

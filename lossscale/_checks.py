@@ -12,6 +12,7 @@ from collections.abc import Hashable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -39,8 +40,9 @@ def scalar_float(name: str, value: Any) -> Any:
                 f"of type {type(value).__name__}."
             )
     elif not (
-        np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)
-    ) or np.issubdtype(dtype, np.bool_):
+        jnp.issubdtype(dtype, jnp.floating)
+        or jnp.issubdtype(dtype, jnp.integer)
+    ):
         raise TypeError(
             f"{name} must have a real floating or integer dtype, got "
             f"{name} with dtype {dtype}."
@@ -137,8 +139,6 @@ def axis_name(value: Any) -> Hashable | tuple[Hashable, ...] | None:
 
 def scalar_bool(name: str, value: Any) -> jax.Array:
     """A boolean scalar (Python bool or bool array of shape ``()``)."""
-    import jax.numpy as jnp
-
     dtype = getattr(value, "dtype", None)
     if dtype is None and not isinstance(value, bool | np.bool_):
         raise TypeError(

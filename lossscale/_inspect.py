@@ -32,7 +32,7 @@ def _find_states(
 
 def _find_one(opt_state: Any, caller: str) -> LossScaledState:
     if _is_state(opt_state):
-        nested = _find_states(opt_state.inner_state)
+        nested = _find_states(opt_state.inner_state, ".inner_state")
         found = [("", opt_state), *nested]
     else:
         found = _find_states(opt_state)

@@ -1,0 +1,25 @@
+"""The README's Python snippets run as written."""
+
+import pathlib
+import re
+
+import pytest
+
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+
+
+@pytest.mark.standard_promotion
+def test_readme_python_blocks_run(capsys):
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    assert blocks, "the README has no python snippet"
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, str(README), "exec"), namespace)
+    assert "loss_scale" in capsys.readouterr().out
+    metrics = namespace["lossscale"].metrics(namespace["opt_state"])
+    # float16 compute with the default 2**16 start: the weight gradient is
+    # 8 * 2 * S / 8 = 2S in float16, which overflows (> 65504) at S = 2**16
+    # and 2**15; both steps are skipped, the third applies at S = 2**14.
+    assert int(metrics["skipped_steps"]) == 2
+    assert float(metrics["loss_scale"]) == 2.0**14
+    assert namespace["params"]["w"].ravel().tolist() != [0.0] * 4

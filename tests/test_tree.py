@@ -1,0 +1,94 @@
+"""all_finite and select_tree."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lossscale
+
+FLOAT_DTYPES = [
+    jnp.float16,
+    jnp.bfloat16,
+    jnp.float32,
+    jnp.float8_e5m2,
+    jnp.complex64,
+]
+
+
+class TestAllFinite:
+    @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+    @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+    def test_detects_each_bad_value(self, dtype, bad):
+        x = jnp.ones((5, 7), dtype)
+        assert bool(jax.jit(lossscale.all_finite)({"a": x}))
+        y = x.at[3, 4].set(jnp.asarray(bad).astype(dtype))
+        assert not bool(jax.jit(lossscale.all_finite)({"a": x, "b": y}))
+
+    def test_complex_imaginary_inf(self):
+        x = jnp.zeros(3, jnp.complex64).at[1].set(1j * jnp.inf)
+        assert not bool(lossscale.all_finite(x))
+
+    def test_float8_e4m3fn_overflow_is_nan(self):
+        # e4m3fn has no inf: a value past its max (448) becomes NaN.
+        x = (jnp.array([1.0, 1e4], jnp.float32)).astype(jnp.float8_e4m3fn)
+        assert np.isnan(np.asarray(x.astype(jnp.float32))[1])
+        assert not bool(lossscale.all_finite(x))
+        assert bool(lossscale.all_finite(x[:1]))
+
+    def test_large_finite_values_are_finite(self):
+        # A sum of the values would overflow; the check must not.
+        big = jnp.full((1000,), jnp.finfo(jnp.float16).max, jnp.float16)
+        assert bool(lossscale.all_finite(big))
+        assert bool(lossscale.all_finite(jnp.full(10, 3e38, jnp.float32)))
+
+    def test_ignores_non_float_leaves(self):
+        tree = {
+            "i": jnp.array([2**31 - 1], jnp.int32),
+            "b": jnp.array([True]),
+            "key": jax.random.key(0),
+            "n": None,
+        }
+        assert bool(lossscale.all_finite(tree))
+
+    def test_empty(self):
+        for tree in ({}, [], None, {"a": jnp.zeros((0,))}):
+            out = lossscale.all_finite(tree)
+            assert out.dtype == jnp.bool_ and out.shape == ()
+            assert bool(out)
+
+    def test_float64(self):
+        with jax.enable_x64(True):
+            x = jnp.array([1e300, 1e308], jnp.float64)
+            assert bool(lossscale.all_finite(x))
+            assert not bool(lossscale.all_finite(x * 10))
+
+
+class TestSelectTree:
+    def test_selects(self):
+        a = {"x": jnp.ones(2, jnp.float16), "n": jnp.int32(1)}
+        b = {"x": jnp.zeros(2, jnp.float16), "n": jnp.int32(2)}
+        out = jax.jit(lossscale.select_tree)(jnp.bool_(True), a, b)
+        assert out["x"].tolist() == [1.0, 1.0]
+        assert out["x"].dtype == jnp.float16
+        out = lossscale.select_tree(False, a, b)
+        assert int(out["n"]) == 2
+
+    def test_rejects_non_scalar_pred(self):
+        a = jnp.ones(2)
+        with pytest.raises(ValueError, match="pred must be a boolean scalar"):
+            lossscale.select_tree(jnp.array([True, False]), a, a)
+        with pytest.raises(TypeError, match="pred must be a boolean scalar"):
+            lossscale.select_tree(jnp.float32(1.0), a, a)
+        with pytest.raises(TypeError, match="pred must be a boolean scalar"):
+            lossscale.select_tree(1, a, a)
+
+    def test_rejects_mismatch(self):
+        with pytest.raises(ValueError, match="same tree structure"):
+            lossscale.select_tree(True, {"a": 1.0}, {"b": 1.0})
+        with pytest.raises(TypeError, match=r"equal dtypes.*\['a'\]"):
+            lossscale.select_tree(
+                True, {"a": jnp.ones(1)}, {"a": jnp.ones(1, jnp.float16)}
+            )
+        with pytest.raises(ValueError, match="equal shapes"):
+            lossscale.select_tree(True, jnp.ones(1), jnp.ones(2))

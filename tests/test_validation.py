@@ -1,0 +1,199 @@
+"""Every invalid argument fails early with a message naming it."""
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import lossscale
+
+BAD_SCALES = [
+    (0.0, ValueError, "finite and > 0"),
+    (-1.0, ValueError, "finite and > 0"),
+    (float("nan"), ValueError, "finite and > 0"),
+    (float("inf"), ValueError, "finite and > 0"),
+    (1e39, ValueError, "finite and > 0"),  # overflows float32
+    (True, TypeError, "real number"),
+    ("2.0", TypeError, "real number"),
+    (1j, TypeError, "real number"),
+    (jnp.ones(2), ValueError, "scalar"),
+    (jnp.array(True), TypeError, "dtype bool"),
+    (None, TypeError, "real number"),
+]
+
+
+@pytest.mark.parametrize("value, error, message", BAD_SCALES)
+def test_static_bad_scale(value, error, message):
+    with pytest.raises(error, match=message) as info:
+        lossscale.StaticLossScale(value)
+    assert "loss_scale" in str(info.value)
+
+
+@pytest.mark.parametrize("value, error, message", BAD_SCALES)
+def test_dynamic_bad_initial_scale(value, error, message):
+    with pytest.raises(error, match=message) as info:
+        lossscale.DynamicLossScale(value)
+    assert "loss_scale" in str(info.value)
+
+
+DYNAMIC_BAD = [
+    ("growth_interval", 0, ValueError),
+    ("growth_interval", -3, ValueError),
+    ("growth_interval", 2**31, ValueError),
+    ("growth_interval", 1.5, TypeError),
+    ("growth_interval", 2000.0, TypeError),
+    ("growth_interval", True, TypeError),
+    ("growth_interval", "10", TypeError),
+    ("hysteresis", 0, ValueError),
+    ("hysteresis", 2.0, TypeError),
+    ("growth_factor", 1.0, ValueError),
+    ("growth_factor", 0.5, ValueError),
+    ("growth_factor", float("nan"), ValueError),
+    ("growth_factor", float("inf"), ValueError),
+    ("growth_factor", 1e39, ValueError),
+    ("growth_factor", "2", TypeError),
+    ("backoff_factor", 0.0, ValueError),
+    ("backoff_factor", 1.0, ValueError),
+    ("backoff_factor", 2.0, ValueError),
+    ("backoff_factor", -0.5, ValueError),
+    ("backoff_factor", float("nan"), ValueError),
+    ("min_loss_scale", 0.0, ValueError),
+    ("min_loss_scale", -1.0, ValueError),
+    ("min_loss_scale", float("nan"), ValueError),
+    ("min_loss_scale", None, TypeError),
+    ("max_loss_scale", float("inf"), ValueError),
+    ("max_loss_scale", 1e39, ValueError),
+    ("max_loss_scale", 0.0, ValueError),
+]
+
+
+@pytest.mark.parametrize("name, value, error", DYNAMIC_BAD)
+def test_dynamic_bad_config(name, value, error):
+    kwargs = {"loss_scale": 2.0, "min_loss_scale": 1.0}
+    kwargs[name] = value
+    with pytest.raises(error) as info:
+        lossscale.DynamicLossScale(**kwargs)
+    assert name in str(info.value)
+    assert repr(value) in str(info.value)
+
+
+def test_dynamic_min_above_max():
+    with pytest.raises(ValueError, match="min_loss_scale must be <= max"):
+        lossscale.DynamicLossScale(8.0, min_loss_scale=16.0, max_loss_scale=4.0)
+
+
+@pytest.mark.parametrize("initial", [0.5, 2.0**25])
+def test_dynamic_initial_outside_bounds(initial):
+    with pytest.raises(ValueError, match=r"loss_scale must be in \[") as info:
+        lossscale.DynamicLossScale(initial)
+    assert repr(initial) in str(info.value)
+
+
+def test_positional_config_rejected():
+    with pytest.raises(TypeError):
+        lossscale.DynamicLossScale(2.0, 100)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "ls",
+    [
+        lossscale.NoOpLossScale(),
+        lossscale.StaticLossScale(2.0),
+        lossscale.DynamicLossScale(),
+    ],
+    ids=["noop", "static", "dynamic"],
+)
+@pytest.mark.parametrize(
+    "finite, error, message",
+    [
+        (jnp.array([True, False]), ValueError, "shape"),
+        (jnp.float32(1.0), TypeError, "dtype float32"),
+        (1, TypeError, "boolean scalar"),
+        (None, TypeError, "boolean scalar"),
+    ],
+)
+def test_adjust_bad_grads_finite(ls, finite, error, message):
+    with pytest.raises(error, match=message) as info:
+        ls.adjust(finite)
+    assert "grads_finite" in str(info.value)
+
+
+INNER = optax.sgd(1.0)
+LS = lossscale.NoOpLossScale()
+
+
+@pytest.mark.parametrize(
+    "inner", [optax.adam, None, "adam", (lambda p: p, None)]
+)
+def test_loss_scaled_bad_inner(inner):
+    with pytest.raises(TypeError, match="inner must be an optax"):
+        lossscale.loss_scaled(inner, LS)
+
+
+@pytest.mark.parametrize(
+    "ls, message",
+    [
+        (lossscale.DynamicLossScale, "did you mean DynamicLossScale()"),
+        (2.0**15, "LossScale protocol"),
+        (None, "LossScale protocol"),
+    ],
+)
+def test_loss_scaled_bad_loss_scale(ls, message):
+    with pytest.raises(TypeError, match=message):
+        lossscale.loss_scaled(INNER, ls)
+
+
+@pytest.mark.parametrize(
+    "axis_name, error",
+    [
+        (["data"], TypeError),
+        ((), ValueError),
+        (("data", "data"), ValueError),
+        (("data", None), TypeError),
+        (("data", ["model"]), TypeError),
+        ({"data"}, TypeError),
+    ],
+)
+def test_bad_axis_name(axis_name, error):
+    with pytest.raises(error, match="axis_name") as info:
+        lossscale.loss_scaled(INNER, LS, axis_name=axis_name)
+    assert repr(axis_name) in str(info.value)
+    with pytest.raises(error, match="axis_name"):
+        lossscale.all_finite(jnp.ones(1), axis_name=axis_name)
+
+
+@pytest.mark.parametrize("mask", [{"w": 1}, {"w": jnp.array(True)}, ["yes"]])
+def test_bad_mask_leaves(mask):
+    with pytest.raises(TypeError, match="mask leaves must be Python bools"):
+        lossscale.loss_scaled(INNER, LS, mask=mask)
+
+
+def test_mask_structure_mismatch_at_init_and_update():
+    tx = lossscale.loss_scaled(INNER, LS, mask={"a": True, "b": False})
+    params = {"a": jnp.ones(1), "c": jnp.ones(1)}
+    with pytest.raises(ValueError, match="mask must have the structure"):
+        tx.init(params)
+    good = lossscale.loss_scaled(INNER, LS, mask={"a": True, "c": False})
+    state = good.init(params)
+    with pytest.raises(ValueError, match="mask must have the structure"):
+        good.update({"a": jnp.ones(1)}, state)
+
+
+def test_callable_mask_returning_non_bools():
+    tx = lossscale.loss_scaled(INNER, LS, mask=lambda p: {"a": "yes"})
+    with pytest.raises(TypeError, match="mask leaves must be Python bools"):
+        tx.init({"a": jnp.ones(1)})
+
+
+def test_update_with_foreign_state():
+    tx = lossscale.loss_scaled(INNER, LS)
+    params = jnp.ones(1)
+    with pytest.raises(TypeError, match="LossScaledState"):
+        tx.update(params, INNER.init(params), params)
+
+
+def test_static_scale_accepts_numpy_and_int():
+    for value in (np.float16(4.0), np.int64(4), 4, jnp.bfloat16(4.0)):
+        ls = lossscale.StaticLossScale(value)
+        assert jnp.asarray(ls.loss_scale).dtype == jnp.float32
+        assert float(ls.loss_scale) == 4.0
