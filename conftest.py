@@ -25,3 +25,8 @@ def _dtype_promotion(request):
     mode = "standard" if marker else "strict"
     with jax.numpy_dtype_promotion(mode):
         yield
+
+
+# Eight simulated CPU devices for the multi-device tests; this must run before
+# JAX initialises its backends, which nothing has done at conftest import.
+jax.config.update("jax_num_cpu_devices", 8)

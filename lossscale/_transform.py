@@ -200,16 +200,18 @@ def loss_scaled(
                 state.inner_state,
             )
         else:
-            out = jax.eval_shape(apply)
 
             def skip():
-                zeros = jax.tree.map(
-                    lambda s: jnp.zeros(s.shape, s.dtype), out[0]
-                )
+                # Traced for its output types only: zeros_like has no data
+                # dependency on its argument, so XLA drops the dead update,
+                # while the zeros keep the exact dtype, weak type and (under
+                # shard_map) varying-axes type that the apply branch has.
+                out_updates, out_inner = apply()
+                zeros = jax.tree.map(jnp.zeros_like, out_updates)
                 old = jax.tree.map(
-                    lambda o, s: lax.convert_element_type(o, s.dtype),
+                    lambda o, n: lax.convert_element_type(o, n.dtype),
                     state.inner_state,
-                    out[1],
+                    out_inner,
                 )
                 return zeros, old
 
