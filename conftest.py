@@ -10,6 +10,9 @@ them inside the wrapper opt out with ``@pytest.mark.standard_promotion``.
 import jax
 import pytest
 
+# A script run in subprocesses by test_multiprocess.py, not a test module.
+collect_ignore = ["tests/multiprocess_worker.py"]
+
 
 def pytest_configure(config):
     config.addinivalue_line(

@@ -11,20 +11,19 @@ import json
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-jax.config.update("jax_num_cpu_devices", 2)
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import lossscale  # noqa: E402
+import lossscale
 
 
 def main(port: int, process_id: int, init_timeout_s: int = 30) -> None:
+    # Set before JAX initialises a backend (nothing has, on import).
+    jax.config.update("jax_num_cpu_devices", 2)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     address = f"127.0.0.1:{port}"
     jax.distributed.initialize(
         coordinator_address=address,

@@ -20,8 +20,12 @@ N = 8
 
 @pytest.fixture(autouse=True)
 def _need_devices():
-    if jax.device_count() < N:
-        pytest.skip(f"needs {N} devices, have {jax.device_count()}")
+    # Fail rather than skip: a skipped distributed suite would pass vacuously.
+    assert jax.device_count() >= N, (
+        f"needs {N} devices, have {jax.device_count()}: conftest.py sets "
+        "jax_num_cpu_devices before JAX initialises; something initialised "
+        "it earlier"
+    )
 
 
 def local_grads(bad_device=3):
