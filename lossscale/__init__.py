@@ -5,6 +5,8 @@ and an optax wrapper that unscales gradients, skips non-finite updates
 without a host round-trip, and adapts the scale.
 """
 
+from lossscale import _interop as _interop
+from lossscale._accumulation import MultiSteps
 from lossscale._inspect import get_loss_scale, metrics
 from lossscale._scales import (
     DynamicLossScale,
@@ -17,10 +19,15 @@ from lossscale._tree import all_finite, select_tree
 
 __version__ = "0.1.0"
 
+_interop.register_flax_serialization(
+    (NoOpLossScale, StaticLossScale, DynamicLossScale)
+)
+
 __all__ = (
     "DynamicLossScale",
     "LossScale",
     "LossScaledState",
+    "MultiSteps",
     "NoOpLossScale",
     "StaticLossScale",
     "all_finite",

@@ -7,6 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from lossscale import _interop
 from lossscale._scales import LossScale
 from lossscale._transform import LossScaledState
 
@@ -58,7 +59,9 @@ def get_loss_scale(opt_state: Any) -> LossScale:
     ``optax.MultiSteps``, ``optax.inject_hyperparams``,
     ``optax.multi_transform``, a flax optimizer's ``opt_state``) for the
     single :class:`LossScaledState` and returns its ``loss_scale``: the scale
-    to use for the next forward pass. Works inside ``jit``.
+    to use for the next forward pass. Works inside ``jit``. Leaves that flax
+    NNX wraps in ``nnx.Variable`` (``nnx.Optimizer.opt_state``) come back as
+    plain arrays.
 
     Args:
         opt_state: an optimizer state containing exactly one
@@ -82,7 +85,9 @@ def get_loss_scale(opt_state: Any) -> LossScale:
         >>> lossscale.get_loss_scale(state).loss_scale
         array(128., dtype=float32)
     """
-    return _find_one(opt_state, "get_loss_scale").loss_scale
+    return _interop.unwrap_variables(
+        _find_one(opt_state, "get_loss_scale").loss_scale
+    )
 
 
 def metrics(opt_state: Any) -> dict[str, jax.Array]:
@@ -107,7 +112,7 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
     Returns:
         A dict from metric name to scalar array.
     """
-    state = _find_one(opt_state, "metrics")
+    state = _interop.unwrap_variables(_find_one(opt_state, "metrics"))
     scale = state.loss_scale
     out = {
         "loss_scale": jnp.asarray(scale.loss_scale, jnp.float32),

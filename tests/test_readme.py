@@ -23,3 +23,4 @@ def test_readme_python_blocks_run(capsys):
     assert int(metrics["skipped_steps"]) == 2
     assert float(metrics["loss_scale"]) == 2.0**14
     assert namespace["params"]["w"].ravel().tolist() != [0.0] * 4
+    assert bool(namespace["nnx_metrics"]["grads_finite"])

@@ -1,0 +1,63 @@
+"""Gradient accumulation that recovers from a non-finite micro-batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+class MultiSteps(optax.MultiSteps):
+    """``optax.MultiSteps`` that clears a non-finite accumulator.
+
+    A drop-in replacement for :class:`optax.MultiSteps` (same arguments,
+    state and methods) for use around :func:`lossscale.loss_scaled`:
+
+    .. code-block:: python
+
+        tx = lossscale.MultiSteps(
+            lossscale.loss_scaled(
+                optax.adamw(1e-3), lossscale.DynamicLossScale()
+            ),
+            every_k_schedule=4,
+        )
+
+    This gives PyTorch's accumulation semantics: the loss scale stays constant
+    over the micro-batches of one effective batch (the wrapper's state only
+    changes when the accumulated update is emitted), finiteness is judged
+    once per real update, and one non-finite micro-batch skips that whole
+    effective update and backs the scale off once.
+
+    Why not ``optax.MultiSteps`` itself: it resets its accumulator by
+    multiplying it by zero after each emitted update, and ``0 * inf`` is
+    NaN, so after the first overflow the accumulator stays NaN for ever and
+    every later update is skipped (the scale then falls to its minimum).
+    This class zeroes the accumulator with a select instead; everything else
+    is inherited unchanged.
+    """
+
+    def update(
+        self,
+        updates: optax.Updates,
+        state: optax.MultiStepsState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, optax.MultiStepsState]:
+        new_updates, new_state = super().update(
+            updates, state, params, **extra_args
+        )
+        # mini_step is 0 exactly when an update was just emitted (or nothing
+        # was accumulated yet): the accumulator must then be all zeros.
+        fresh = new_state.mini_step == 0
+        acc_grads = jax.tree.map(
+            lambda acc: jnp.where(fresh, jnp.zeros_like(acc), acc),
+            new_state.acc_grads,
+        )
+        return new_updates, new_state._replace(acc_grads=acc_grads)
+
+    def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
+        return optax.GradientTransformationExtraArgs(
+            init=self.init, update=self.update
+        )
