@@ -178,6 +178,14 @@ def loss_scaled(
                 "state must be the LossScaledState returned by this "
                 f"transformation's init, got {type(state).__name__}."
             )
+        if params is not None and (
+            jax.tree.structure(params) != jax.tree.structure(updates)
+        ):
+            raise ValueError(
+                "updates and params must have the same tree structure, got "
+                f"{jax.tree.structure(updates)} and "
+                f"{jax.tree.structure(params)}."
+            )
         scale_state = state.loss_scale
         mask_tree = _tree.resolve_mask(mask, updates)
         grads = _tree.map_masked(scale_state.unscale, mask_tree, updates)
@@ -186,7 +194,18 @@ def loss_scaled(
         )
 
         def apply():
-            return inner.update(grads, state.inner_state, params, **extra_args)
+            try:
+                return inner.update(
+                    grads, state.inner_state, params, **extra_args
+                )
+            except (ValueError, TypeError) as err:
+                err.add_note(
+                    "lossscale.loss_scaled: the inner optimizer's update "
+                    "failed. Do the gradients have the structure of the "
+                    "params given to init, and does the state come from "
+                    "this optimizer's init?"
+                )
+                raise
 
         impl = _resolve_skip_impl(_skip_impl)
         if impl == "select":

@@ -1,0 +1,156 @@
+"""Odd trees, vmap, donation, and misuse that must fail clearly."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import lossscale
+
+pytestmark = pytest.mark.standard_promotion
+
+
+def sgd_wrapped(ls=None, **kwargs):
+    ls = lossscale.StaticLossScale(4.0) if ls is None else ls
+    return lossscale.loss_scaled(optax.sgd(1.0), ls, **kwargs)
+
+
+class TestOddTrees:
+    def test_empty_params(self):
+        tx = sgd_wrapped()
+        state = tx.init({})
+        updates, state = jax.jit(tx.update)({}, state, {})
+        assert updates == {}
+        assert bool(state.grads_finite)
+
+    def test_complex_params(self):
+        tx = sgd_wrapped()
+        params = jnp.zeros(2, jnp.complex64)
+        updates, state = tx.update(
+            jnp.array([4 + 8j, -4j], jnp.complex64), tx.init(params), params
+        )
+        assert updates.dtype == jnp.complex64
+        np.testing.assert_array_equal(updates, [-1 - 2j, 1j])
+        bad = jnp.array([1j * jnp.inf, 0], jnp.complex64)
+        updates, state = tx.update(bad, state, params)
+        assert not bool(state.grads_finite)
+        np.testing.assert_array_equal(updates, [0, 0])
+
+    def test_float64_with_x64(self):
+        with jax.enable_x64(True):
+            tx = sgd_wrapped()
+            params = jnp.zeros(1, jnp.float64)
+            g = jnp.array([4.0 * (1 + 2.0**-40)], jnp.float64)
+            updates, _ = jax.jit(tx.update)(g, tx.init(params), params)
+            assert updates.dtype == jnp.float64
+            assert float(updates[0]) == -(1 + 2.0**-40)  # no float32 rounding
+
+    def test_mixed_dtypes(self):
+        tx = lossscale.loss_scaled(
+            optax.adam(1e-3), lossscale.DynamicLossScale(2.0**8)
+        )
+        params = {
+            "h": jnp.ones(3, jnp.float16),
+            "b": jnp.ones(3, jnp.bfloat16),
+            "f": jnp.ones(3, jnp.float32),
+        }
+        grads = jax.tree.map(lambda p: p * 256, params)
+        updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+        assert {k: v.dtype for k, v in updates.items()} == {
+            k: v.dtype for k, v in params.items()
+        }
+        assert bool(state.grads_finite)
+
+    def test_grads_of_another_tree_fail_clearly(self):
+        tx = lossscale.loss_scaled(
+            optax.adam(1e-3), lossscale.StaticLossScale(4.0)
+        )
+        state = tx.init({"a": jnp.ones(1)})
+        with pytest.raises(ValueError, match="same tree structure"):
+            tx.update({"b": jnp.ones(1)}, state, {"a": jnp.ones(1)})
+        with pytest.raises(ValueError) as info:
+            tx.update({"b": jnp.ones(1)}, state)
+        assert "structure of the params given to init" in "".join(
+            getattr(info.value, "__notes__", [])
+        )
+
+
+def test_vmap_ensemble_each_member_own_scale():
+    """vmap over a train step (an ensemble): every member scales alone.
+
+    flax's DynamicScale breaks confusingly here (flax#4114); the state is a
+    pytree of arrays, so vmap just batches it.
+    """
+    tx = lossscale.loss_scaled(
+        optax.adam(0.1), lossscale.DynamicLossScale(2.0**8)
+    )
+    members = 4
+    params = {"w": jnp.ones((members, 3))}
+    state = jax.vmap(tx.init)(params)
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    grads = {"w": jnp.full((members, 3), 256.0).at[2, 1].set(jnp.nan)}
+    new_params, new_state = jax.jit(jax.vmap(step))(params, state, grads)
+    assert np.asarray(new_state.grads_finite).tolist() == [
+        True,
+        True,
+        False,
+        True,
+    ]
+    assert np.asarray(new_state.loss_scale.loss_scale).tolist() == [
+        256.0,
+        256.0,
+        128.0,
+        256.0,
+    ]
+    np.testing.assert_array_equal(new_params["w"][2], np.ones(3))
+    assert not np.any(np.asarray(new_params["w"][0]) == 1.0)
+    # A second call takes the batched state back.
+    jax.jit(jax.vmap(step))(new_params, new_state, grads)
+
+
+def test_vmap_per_example_gradients():
+    tx = sgd_wrapped(lossscale.DynamicLossScale(2.0**4))
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    xs = jnp.arange(8.0).reshape(4, 2)
+    scale = lossscale.get_loss_scale(state)
+    per_example = jax.vmap(
+        jax.grad(lambda p, x: scale.scale(jnp.sum(p * x))), in_axes=(None, 0)
+    )(params, xs)
+    updates, _ = tx.update(per_example.mean(0), state, params)
+    np.testing.assert_array_equal(updates, -xs.mean(0))
+
+
+def test_donated_buffers():
+    tx = lossscale.loss_scaled(
+        optax.adam(1e-2), lossscale.DynamicLossScale(2.0**8)
+    )
+    params = {"w": jnp.ones((16, 16))}
+
+    @jax.jit
+    def init(params):
+        return tx.init(params)
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(step, donate_argnums=(0, 1))
+    state = init(params)
+    good = {"w": jnp.full((16, 16), 256.0)}
+    bad = {"w": good["w"].at[0, 0].set(jnp.inf)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "donated buffers not usable"
+        for grads in (good, bad, good, bad, bad, good):
+            old = params
+            params, state = step(params, state, grads)
+            assert old["w"].is_deleted()  # really donated
+    assert int(state.skipped_steps) == 3
+    assert bool(lossscale.all_finite(params))
