@@ -69,14 +69,31 @@ def _check_loss_scale(loss_scale: Any) -> LossScale:
 
 
 def _resolve_skip_impl(skip_impl: SkipImpl) -> Literal["select", "cond"]:
-    if skip_impl != "auto":
-        return skip_impl
-    # On CPU, a branch-free select over the inner state makes XLA copy the
-    # state (the in-place update and the select both read it), which measured
-    # ~2x slower than a conditional; on accelerators the select fuses into
-    # the update kernels and avoids the device-to-host predicate read that
-    # a conditional needs. benchmarks/ holds the measurements.
-    return "cond" if jax.default_backend() == "cpu" else "select"
+    # "auto" is a conditional on every backend. A branch-free select over
+    # the inner state (new if finite else old) makes XLA copy the state,
+    # because the in-place update and the select both read the old values:
+    # on CPU that measured about twice as slow as the conditional, and its
+    # compile time exploded with the number of leaves (minutes at 500). The
+    # select stays available for measurements (benchmarks/).
+    return "cond" if skip_impl == "auto" else skip_impl
+
+
+def _zeros_like_updates(grads: Any, out: Any) -> Any:
+    """Zeros shaped like the inner updates ``out``, built from ``grads``.
+
+    Zeros made with ``zeros_like(grad)`` inherit the gradient's varying
+    mapped axes under ``shard_map``, which fresh ``jnp.zeros`` would not, so
+    both branches of the conditional have the same type. Returns ``None``
+    when the updates do not mirror the gradients leaf for leaf.
+    """
+    if jax.tree.structure(grads) != jax.tree.structure(out):
+        return None
+    pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(out), strict=True)
+    if any(jnp.shape(g) != o.shape for g, o in pairs):
+        return None
+    return jax.tree.map(
+        lambda g, o: jnp.zeros_like(g, dtype=o.dtype), grads, out
+    )
 
 
 def loss_scaled(
@@ -188,15 +205,22 @@ def loss_scaled(
             )
         scale_state = state.loss_scale
         mask_tree = _tree.resolve_mask(mask, updates)
-        grads = _tree.map_masked(scale_state.unscale, mask_tree, updates)
+
+        def unscaled():
+            # Unscaled where it is used rather than once up front: XLA fuses
+            # the multiply into the finiteness reduction and into the inner
+            # update (inside the conditional), instead of materialising a
+            # parameter-sized copy of the gradients that both must read.
+            return _tree.map_masked(scale_state.unscale, mask_tree, updates)
+
         finite = _tree.all_finite(
-            _tree.masked_leaves(mask_tree, grads), axis_name=axis_name
+            _tree.masked_leaves(mask_tree, unscaled()), axis_name=axis_name
         )
 
         def apply():
             try:
                 return inner.update(
-                    grads, state.inner_state, params, **extra_args
+                    unscaled(), state.inner_state, params, **extra_args
                 )
             except (ValueError, TypeError) as err:
                 err.add_note(
@@ -221,12 +245,14 @@ def loss_scaled(
         else:
 
             def skip():
-                # Traced for its output types only: zeros_like has no data
-                # dependency on its argument, so XLA drops the dead update,
-                # while the zeros keep the exact dtype, weak type and (under
-                # shard_map) varying-axes type that the apply branch has.
-                out_updates, out_inner = apply()
-                zeros = jax.tree.map(jnp.zeros_like, out_updates)
+                out_updates, out_inner = jax.eval_shape(apply)
+                zeros = _zeros_like_updates(updates, out_updates)
+                if zeros is None:
+                    # Rare: the updates differ from the gradients in
+                    # structure or shape. Trace the update for its exact
+                    # output types (zeros_like has no data dependency, so
+                    # XLA drops the dead computation).
+                    zeros = jax.tree.map(jnp.zeros_like, apply()[0])
                 old = jax.tree.map(
                     lambda o, n: lax.convert_element_type(o, n.dtype),
                     state.inner_state,

@@ -1,0 +1,34 @@
+"""The benchmark runs (--quick). A smoke test: timings are not asserted."""
+
+import importlib.util
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location(
+    "step_overhead", ROOT / "benchmarks" / "step_overhead.py"
+)
+step_overhead = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(step_overhead)
+
+
+@pytest.mark.standard_promotion
+def test_quick_benchmark_writes_every_section(tmp_path):
+    out = tmp_path / "RESULTS.md"
+    report = step_overhead.main(["--quick", "--out", str(out)])
+    assert out.read_text() == report
+    for section in (
+        "Optimizer-only step",
+        "finite path",
+        "skip path",
+        "Full train step",
+        "Compile time",
+        "Peak memory",
+    ):
+        assert section in report
+    for variant in step_overhead.OPTIMIZER_VARIANTS:
+        assert f"| {variant} |" in report
+    ratios = [float(r) for r in re.findall(r"\| ([0-9.]+) \|\n", report)]
+    assert ratios and all(r > 0 for r in ratios)
