@@ -24,3 +24,15 @@ def test_readme_python_blocks_run(capsys):
     assert float(metrics["loss_scale"]) == 2.0**14
     assert namespace["params"]["w"].ravel().tolist() != [0.0] * 4
     assert bool(namespace["nnx_metrics"]["grads_finite"])
+
+
+def test_ci_runs_the_readme_test_command():
+    text = README.read_text()
+    quick_start = text[text.index("## Quick start") :]
+    block = re.search(r"```bash\n(.*?)```", quick_start, re.S).group(1)
+    commands = [line for line in block.splitlines() if line.strip()]
+    assert len(commands) == 2  # one for the demo, one for the tests
+    assert "python -m lossscale.demo" in commands[0]
+    assert "python -m pytest" in commands[1]
+    ci = (README.parent / ".ci" / "run").read_text().splitlines()
+    assert commands[1] in ci
