@@ -8,13 +8,18 @@ without a host round-trip, and adapts the scale.
 from lossscale import _interop as _interop
 from lossscale._accumulation import MultiSteps
 from lossscale._inspect import get_loss_scale, metrics
+from lossscale._rescale import rescale_gradient
 from lossscale._scales import (
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
     StaticLossScale,
 )
-from lossscale._transform import LossScaledState, loss_scaled
+from lossscale._transform import (
+    LossScaledState,
+    loss_scaled,
+    loss_scaled_by_group,
+)
 from lossscale._tree import all_finite, select_tree
 
 __version__ = "0.1.0"
@@ -33,6 +38,8 @@ __all__ = (
     "all_finite",
     "get_loss_scale",
     "loss_scaled",
+    "loss_scaled_by_group",
     "metrics",
+    "rescale_gradient",
     "select_tree",
 )

@@ -68,7 +68,8 @@ def get_loss_scale(opt_state: Any) -> LossScale:
             :class:`LossScaledState`.
 
     Returns:
-        The loss-scale state, e.g. a :class:`DynamicLossScale`.
+        The loss-scale state, e.g. a :class:`DynamicLossScale`; for
+        :func:`loss_scaled_by_group`, a dict from group label to state.
 
     Raises:
         ValueError: if there is no :class:`LossScaledState`, or more than one
@@ -98,12 +99,17 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
     - ``"loss_scale"``: the scale for the next step (float32);
     - ``"grads_finite"``: whether the last step was applied (bool);
     - ``"skipped_steps"``: skipped steps since ``init`` (int32);
-    - ``"consecutive_skips"``: skipped steps since the last applied one.
+    - ``"consecutive_skips"``: skipped steps since the last applied one;
+    - ``"steps"``: ``update`` calls since ``init``, applied or skipped
+      (``steps - skipped_steps`` updates were applied);
+    - ``"last_skip_step"``: the index of the last skipped step, -1 if none.
 
     A :class:`DynamicLossScale` adds ``"growth_tracker"``,
     ``"hysteresis_tracker"`` and ``"at_min_scale"``; any loss-scale policy
-    with a ``metrics()`` method adds its own keys. No value leaves the
-    device: call it inside ``jit`` and fetch when you log.
+    with a ``metrics()`` method adds its own keys. With
+    :func:`loss_scaled_by_group` the per-scale keys carry the group label:
+    ``"loss_scale/<label>"``, ``"at_min_scale/<label>"``, ... No value
+    leaves the device: call it inside ``jit`` and fetch when you log.
 
     Args:
         opt_state: an optimizer state containing exactly one
@@ -113,14 +119,19 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
         A dict from metric name to scalar array.
     """
     state = _interop.unwrap_variables(_find_one(opt_state, "metrics"))
-    scale = state.loss_scale
     out = {
-        "loss_scale": jnp.asarray(scale.loss_scale, jnp.float32),
         "grads_finite": jnp.asarray(state.grads_finite, jnp.bool_),
         "skipped_steps": jnp.asarray(state.skipped_steps, jnp.int32),
         "consecutive_skips": jnp.asarray(state.consecutive_skips, jnp.int32),
+        "steps": jnp.asarray(state.steps, jnp.int32),
+        "last_skip_step": jnp.asarray(state.last_skip_step, jnp.int32),
     }
-    extra = getattr(scale, "metrics", None)
-    if callable(extra):
-        out.update(extra())
+    scales = state.loss_scale
+    grouped = isinstance(scales, dict)
+    for label, scale in scales.items() if grouped else [(None, scales)]:
+        suffix = "" if label is None else f"/{label}"
+        out["loss_scale" + suffix] = jnp.asarray(scale.loss_scale, jnp.float32)
+        extra = getattr(scale, "metrics", None)
+        if callable(extra):
+            out.update({k + suffix: v for k, v in extra().items()})
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -29,13 +30,23 @@ class LossScaledState(NamedTuple):
             at the int32 maximum. ``shape=(), dtype=int32``.
         consecutive_skips: the number of skipped steps since the last applied
             one. ``shape=(), dtype=int32``.
+        steps: the number of ``update`` calls since ``init``, applied or
+            skipped (saturating). ``steps - skipped_steps`` is the number of
+            applied updates. ``shape=(), dtype=int32``.
+        last_skip_step: the 0-based index (in ``steps``) of the last skipped
+            step, or -1 if none was. ``shape=(), dtype=int32``.
+
+    With :func:`loss_scaled_by_group`, ``loss_scale`` is a dict from group
+    label to that group's loss-scale state.
     """
 
-    loss_scale: LossScale
+    loss_scale: LossScale | dict[Any, LossScale]
     inner_state: optax.OptState
     grads_finite: jax.Array
     skipped_steps: jax.Array
     consecutive_skips: jax.Array
+    steps: jax.Array
+    last_skip_step: jax.Array
 
 
 def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
@@ -52,18 +63,18 @@ def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
     return optax.with_extra_args_support(inner)
 
 
-def _check_loss_scale(loss_scale: Any) -> LossScale:
+def _check_loss_scale(loss_scale: Any, name: str = "loss_scale") -> LossScale:
     if isinstance(loss_scale, type):
         raise TypeError(
-            "loss_scale must be a loss-scale instance, got the class "
+            f"{name} must be a loss-scale instance, got the class "
             f"{loss_scale.__name__}; did you mean {loss_scale.__name__}()?"
         )
     if not isinstance(loss_scale, LossScale):
         raise TypeError(
-            "loss_scale must implement the lossscale.LossScale protocol "
+            f"{name} must implement the lossscale.LossScale protocol "
             "(loss_scale, scale, unscale, adjust), e.g. "
-            "lossscale.DynamicLossScale(), got "
-            f"loss_scale={loss_scale!r} of type {type(loss_scale).__name__}."
+            f"lossscale.DynamicLossScale(), got {name}={loss_scale!r} of "
+            f"type {type(loss_scale).__name__}."
         )
     return loss_scale
 
@@ -102,6 +113,8 @@ def loss_scaled(
     *,
     axis_name: Any = None,
     mask: Any = None,
+    on_min_scale: Literal["ignore", "error"] = "ignore",
+    min_scale_patience: int = 10,
     _skip_impl: SkipImpl = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optimizer so that it takes scaled gradients.
@@ -166,22 +179,203 @@ def loss_scaled(
         Micikevicius et al., `Mixed Precision Training
         <https://arxiv.org/abs/1710.03740>`_, 2017.
     """
-    inner = _check_inner(inner)
-    loss_scale = _check_loss_scale(loss_scale)
-    axis_name = _checks.axis_name(axis_name)
-    mask = _tree.check_mask(mask)
-    if _skip_impl not in ("auto", "select", "cond"):
-        raise ValueError(f"unknown _skip_impl={_skip_impl!r}.")
+    return _make(
+        _check_inner(inner),
+        _check_loss_scale(loss_scale),
+        None,
+        axis_name=_checks.axis_name(axis_name),
+        mask=_tree.check_mask(mask),
+        on_min_scale=_check_on_min_scale(on_min_scale),
+        min_scale_patience=_checks.positive_int(
+            "min_scale_patience", min_scale_patience
+        ),
+        skip_impl=_check_skip_impl(_skip_impl),
+    )
+
+
+def loss_scaled_by_group(
+    inner: optax.GradientTransformation,
+    loss_scales: Mapping[Any, LossScale],
+    param_labels: Any,
+    *,
+    axis_name: Any = None,
+    mask: Any = None,
+    on_min_scale: Literal["ignore", "error"] = "ignore",
+    min_scale_patience: int = 10,
+    _skip_impl: SkipImpl = "auto",
+) -> optax.GradientTransformationExtraArgs:
+    """Like :func:`loss_scaled`, with an independent loss scale per group.
+
+    In a model whose parts have gradients of very different magnitudes (an
+    image encoder feeding a text decoder, say), one shared scale can
+    overflow one part while the other still underflows. Here each parameter
+    group has its own scale: the gradients of group ``g`` must arrive scaled
+    by ``loss_scales[g]``, which :func:`rescale_gradient` arranges at the
+    boundary where one group feeds another. Each group's scale backs off or
+    grows on its own evidence (the finiteness of its own gradients); a
+    non-finite gradient in *any* group skips the whole update, because the
+    groups depend on each other through the backward pass.
+
+    Args:
+        inner: the optimizer to wrap.
+        loss_scales: a dict from group label to that group's initial loss
+            scale (any :class:`LossScale`).
+        param_labels: a pytree of labels with the structure of the
+            parameters (or a prefix of it), or a callable returning one, as
+            in ``optax.multi_transform``. Every label must be a key of
+            ``loss_scales``.
+        axis_name: as in :func:`loss_scaled`; one all-reduce carries every
+            group's flag.
+        mask: as in :func:`loss_scaled`.
+        on_min_scale: as in :func:`loss_scaled`; any group at its minimum
+            counts.
+        min_scale_patience: as in :func:`loss_scaled`.
+
+    Returns:
+        A :class:`optax.GradientTransformationExtraArgs` whose state is a
+        :class:`LossScaledState` with a dict of loss scales;
+        :func:`get_loss_scale` returns that dict and :func:`metrics` reports
+        ``"loss_scale/<label>"`` (and every other per-scale metric) for
+        each group.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax
+        >>> import lossscale
+        >>> tx = lossscale.loss_scaled_by_group(
+        ...     optax.sgd(1.0),
+        ...     {"enc": lossscale.StaticLossScale(2.0**4),
+        ...      "dec": lossscale.StaticLossScale(2.0**12)},
+        ...     param_labels={"enc": "enc", "dec": "dec"})
+        >>> params = {"enc": jnp.array(2.0), "dec": jnp.array(3.0)}
+        >>> state = tx.init(params)
+        >>> scales = lossscale.get_loss_scale(state)
+        >>> def loss_fn(p):
+        ...     h = lossscale.rescale_gradient(
+        ...         p["enc"] * 1.0,
+        ...         scales["enc"].loss_scale / scales["dec"].loss_scale)
+        ...     return scales["dec"].scale(h * p["dec"])
+        >>> updates, state = tx.update(jax.grad(loss_fn)(params), state)
+        >>> updates
+        {'dec': Array(-2., dtype=float32), 'enc': Array(-3., dtype=float32)}
+    """
+    if not isinstance(loss_scales, Mapping) or not loss_scales:
+        raise TypeError(
+            "loss_scales must be a non-empty dict from group label to loss "
+            f"scale, got loss_scales={loss_scales!r}."
+        )
+    groups = {
+        label: _check_loss_scale(ls, f"loss_scales[{label!r}]")
+        for label, ls in loss_scales.items()
+    }
+    if param_labels is None:
+        raise TypeError(
+            "param_labels must be a pytree of group labels or a callable "
+            "returning one, got None."
+        )
+    return _make(
+        _check_inner(inner),
+        groups,
+        param_labels,
+        axis_name=_checks.axis_name(axis_name),
+        mask=_tree.check_mask(mask),
+        on_min_scale=_check_on_min_scale(on_min_scale),
+        min_scale_patience=_checks.positive_int(
+            "min_scale_patience", min_scale_patience
+        ),
+        skip_impl=_check_skip_impl(_skip_impl),
+    )
+
+
+def _check_on_min_scale(value: Any) -> str:
+    if value not in ("ignore", "error"):
+        raise ValueError(
+            'on_min_scale must be "ignore" or "error", got '
+            f"on_min_scale={value!r}."
+        )
+    return value
+
+
+def _check_skip_impl(value: Any) -> SkipImpl:
+    if value not in ("auto", "select", "cond"):
+        raise ValueError(f"unknown _skip_impl={value!r}.")
+    return value
+
+
+_SINGLE = 0  # the one group's label when there are no groups
+
+
+def _resolve_labels(param_labels: Any, groups: dict, tree: Any) -> Any:
+    """A tree of group labels with the structure of ``tree``."""
+    if param_labels is None:
+        return jax.tree.map(lambda _: _SINGLE, tree)
+    labels = param_labels(tree) if callable(param_labels) else param_labels
+    try:
+        full = jax.tree.map(
+            lambda lab, sub: jax.tree.map(lambda _: lab, sub), labels, tree
+        )
+    except ValueError as err:
+        raise ValueError(
+            "param_labels must have the structure of the gradients (or a "
+            f"prefix of it), got {jax.tree.structure(labels)} for gradients "
+            f"with structure {jax.tree.structure(tree)}."
+        ) from err
+    unknown = {lab for lab in jax.tree.leaves(full) if lab not in groups}
+    if unknown:
+        raise ValueError(
+            f"param_labels uses labels {sorted(map(repr, unknown))} that are "
+            f"not keys of loss_scales {sorted(map(repr, groups))}."
+        )
+    return full
+
+
+def _at_min_scale(scale_state: Any) -> jax.Array:
+    metrics = getattr(scale_state, "metrics", None)
+    at_min = metrics().get("at_min_scale") if callable(metrics) else None
+    return jnp.zeros((), jnp.bool_) if at_min is None else at_min
+
+
+def _raise_stuck_at_min(stuck, skips, scales) -> None:
+    if stuck:
+        raise FloatingPointError(
+            f"lossscale: {int(skips)} consecutive steps had non-finite "
+            "gradients with the loss scale at its minimum "
+            f"({', '.join(f'{float(s):g}' for s in scales)}). Lowering the "
+            "scale no longer helps: the loss or the gradients themselves "
+            "are inf or NaN. Check the inputs and labels for NaN/inf, the "
+            "learning rate and any division or log in the loss; or lower "
+            "min_loss_scale if the gradients are genuinely that large."
+        )
+
+
+def _make(
+    inner: optax.GradientTransformationExtraArgs,
+    loss_scale: LossScale | dict[Any, LossScale],
+    param_labels: Any,
+    *,
+    axis_name: Any,
+    mask: Any,
+    on_min_scale: str,
+    min_scale_patience: int,
+    skip_impl: SkipImpl,
+) -> optax.GradientTransformationExtraArgs:
+    grouped = param_labels is not None
+
+    def as_groups(scale_state):
+        return scale_state if grouped else {_SINGLE: scale_state}
 
     def init_fn(params: optax.Params) -> LossScaledState:
         if mask is not None:
             _tree.resolve_mask(mask, params)
+        if grouped:
+            _resolve_labels(param_labels, loss_scale, params)
         return LossScaledState(
             loss_scale=loss_scale,
             inner_state=inner.init(params),
             grads_finite=jnp.ones((), jnp.bool_),
             skipped_steps=jnp.zeros((), jnp.int32),
             consecutive_skips=jnp.zeros((), jnp.int32),
+            steps=jnp.zeros((), jnp.int32),
+            last_skip_step=jnp.full((), -1, jnp.int32),
         )
 
     def update_fn(
@@ -203,7 +397,8 @@ def loss_scaled(
                 f"{jax.tree.structure(updates)} and "
                 f"{jax.tree.structure(params)}."
             )
-        scale_state = state.loss_scale
+        groups = as_groups(state.loss_scale)
+        labels = _resolve_labels(param_labels, groups, updates)
         mask_tree = _tree.resolve_mask(mask, updates)
 
         def unscaled():
@@ -211,11 +406,27 @@ def loss_scaled(
             # the multiply into the finiteness reduction and into the inner
             # update (inside the conditional), instead of materialising a
             # parameter-sized copy of the gradients that both must read.
-            return _tree.map_masked(scale_state.unscale, mask_tree, updates)
+            return jax.tree.map(
+                lambda lab, m, g: groups[lab].unscale(g) if m else g,
+                labels,
+                mask_tree,
+                updates,
+            )
 
-        finite = _tree.all_finite(
-            _tree.masked_leaves(mask_tree, unscaled()), axis_name=axis_name
+        flat = list(
+            zip(
+                jax.tree.leaves(labels),
+                jax.tree.leaves(mask_tree),
+                jax.tree.leaves(unscaled()),
+                strict=True,
+            )
         )
+        order = list(groups)
+        group_finite = _tree.finite_by_group(
+            [[g for lab, m, g in flat if m and lab == key] for key in order],
+            axis_name=axis_name,
+        )
+        finite = jnp.all(group_finite)
 
         def apply():
             try:
@@ -231,40 +442,34 @@ def loss_scaled(
                 )
                 raise
 
-        impl = _resolve_skip_impl(_skip_impl)
-        if impl == "select":
-            new_updates, new_inner = apply()
-            new_updates = jax.tree.map(
-                lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates
-            )
-            new_inner = jax.tree.map(
-                lambda new, old: jnp.where(finite, new, old).astype(new.dtype),
-                new_inner,
-                state.inner_state,
-            )
-        else:
-
-            def skip():
-                out_updates, out_inner = jax.eval_shape(apply)
-                zeros = _zeros_like_updates(updates, out_updates)
-                if zeros is None:
-                    # Rare: the updates differ from the gradients in
-                    # structure or shape. Trace the update for its exact
-                    # output types (zeros_like has no data dependency, so
-                    # XLA drops the dead computation).
-                    zeros = jax.tree.map(jnp.zeros_like, apply()[0])
-                old = jax.tree.map(
-                    lambda o, n: lax.convert_element_type(o, n.dtype),
-                    state.inner_state,
-                    out_inner,
-                )
-                return zeros, old
-
-            new_updates, new_inner = lax.cond(finite, apply, skip)
-
+        new_updates, new_inner = _apply_or_skip(
+            finite, apply, updates, state.inner_state, skip_impl
+        )
+        new_groups = {
+            key: groups[key].adjust(group_finite[i])
+            for i, key in enumerate(order)
+        }
         not_finite = jnp.logical_not(finite)
+        consecutive = jnp.where(
+            not_finite, optax.safe_increment(state.consecutive_skips), 0
+        ).astype(jnp.int32)
+        if on_min_scale == "error":
+            at_min = jnp.any(
+                jnp.stack([_at_min_scale(ls) for ls in new_groups.values()])
+            )
+            stuck = at_min & (consecutive >= min_scale_patience)
+            scales = jnp.stack(
+                [jnp.asarray(ls.loss_scale) for ls in new_groups.values()]
+            )
+            lax.cond(
+                stuck,
+                lambda: jax.debug.callback(
+                    _raise_stuck_at_min, stuck, consecutive, scales
+                ),
+                lambda: None,
+            )
         new_state = LossScaledState(
-            loss_scale=scale_state.adjust(finite),
+            loss_scale=new_groups if grouped else new_groups[_SINGLE],
             inner_state=new_inner,
             grads_finite=finite,
             skipped_steps=jnp.where(
@@ -272,10 +477,44 @@ def loss_scaled(
                 optax.safe_increment(state.skipped_steps),
                 state.skipped_steps,
             ).astype(jnp.int32),
-            consecutive_skips=jnp.where(
-                not_finite, optax.safe_increment(state.consecutive_skips), 0
+            consecutive_skips=consecutive,
+            steps=optax.safe_increment(state.steps).astype(jnp.int32),
+            last_skip_step=jnp.where(
+                not_finite, state.steps, state.last_skip_step
             ).astype(jnp.int32),
         )
         return new_updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _apply_or_skip(finite, apply, grads, old_inner, skip_impl):
+    """The inner update if ``finite``, else zero updates and the old state."""
+    if _resolve_skip_impl(skip_impl) == "select":
+        new_updates, new_inner = apply()
+        new_updates = jax.tree.map(
+            lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates
+        )
+        new_inner = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old).astype(new.dtype),
+            new_inner,
+            old_inner,
+        )
+        return new_updates, new_inner
+
+    def skip():
+        out_updates, out_inner = jax.eval_shape(apply)
+        zeros = _zeros_like_updates(grads, out_updates)
+        if zeros is None:
+            # Rare: the updates differ from the gradients in structure or
+            # shape. Trace the update for its exact output types (zeros_like
+            # has no data dependency, so XLA drops the dead computation).
+            zeros = jax.tree.map(jnp.zeros_like, apply()[0])
+        old = jax.tree.map(
+            lambda o, n: lax.convert_element_type(o, n.dtype),
+            old_inner,
+            out_inner,
+        )
+        return zeros, old
+
+    return lax.cond(finite, apply, skip)

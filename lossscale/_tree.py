@@ -87,13 +87,29 @@ def all_finite(tree: PyTree, *, axis_name: Any = None) -> jax.Array:
         Array(False, dtype=bool)
     """
     axis_name = _checks.axis_name(axis_name)
-    indicators = [
-        _nonfinite_indicator(x) for x in jax.tree.leaves(tree) if is_float(x)
-    ]
-    if indicators:
-        finite = jnp.isfinite(jnp.sum(jnp.concatenate(indicators)))
-    else:
-        finite = jnp.ones((), jnp.bool_)
+    return finite_by_group([jax.tree.leaves(tree)], axis_name=axis_name)[0]
+
+
+def finite_by_group(
+    groups: list[list[Any]], *, axis_name: Any = None
+) -> jax.Array:
+    """One finiteness flag per group of leaves, in a single collective.
+
+    Args:
+        groups: a list of lists of leaves; non-floating leaves are ignored.
+        axis_name: as in :func:`all_finite`, already validated.
+
+    Returns:
+        A boolean array of shape ``(len(groups),)``.
+    """
+    sums = []
+    for leaves in groups:
+        indicators = [_nonfinite_indicator(x) for x in leaves if is_float(x)]
+        if indicators:
+            sums.append(jnp.sum(jnp.concatenate(indicators)))
+        else:
+            sums.append(jnp.zeros((), jnp.float32))
+    finite = jnp.isfinite(jnp.stack(sums))
     if axis_name is not None:
         nonfinite = jnp.logical_not(finite).astype(jnp.int32)
         finite = lax.psum(nonfinite, axis_name) == 0

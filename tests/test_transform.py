@@ -301,6 +301,8 @@ class TestInitAndInspect:
             "grads_finite": "bool",
             "skipped_steps": "int32",
             "consecutive_skips": "int32",
+            "steps": "int32",
+            "last_skip_step": "int32",
             "growth_tracker": "int32",
             "hysteresis_tracker": "int32",
             "at_min_scale": "bool",
