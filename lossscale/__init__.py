@@ -7,6 +7,7 @@ without a host round-trip, and adapts the scale.
 
 from lossscale import _interop as _interop
 from lossscale._accumulation import MultiSteps
+from lossscale._diagnose import Diagnosis, diagnose
 from lossscale._inspect import get_loss_scale, metrics
 from lossscale._rescale import rescale_gradient
 from lossscale._scales import (
@@ -29,6 +30,7 @@ _interop.register_flax_serialization(
 )
 
 __all__ = (
+    "Diagnosis",
     "DynamicLossScale",
     "LossScale",
     "LossScaledState",
@@ -36,6 +38,7 @@ __all__ = (
     "NoOpLossScale",
     "StaticLossScale",
     "all_finite",
+    "diagnose",
     "get_loss_scale",
     "loss_scaled",
     "loss_scaled_by_group",
