@@ -180,16 +180,14 @@ def loss_scaled(
         <https://arxiv.org/abs/1710.03740>`_, 2017.
     """
     return _make(
-        _check_inner(inner),
+        inner,
         _check_loss_scale(loss_scale),
         None,
-        axis_name=_checks.axis_name(axis_name),
-        mask=_tree.check_mask(mask),
-        on_min_scale=_check_on_min_scale(on_min_scale),
-        min_scale_patience=_checks.positive_int(
-            "min_scale_patience", min_scale_patience
-        ),
-        skip_impl=_check_skip_impl(_skip_impl),
+        axis_name=axis_name,
+        mask=mask,
+        on_min_scale=on_min_scale,
+        min_scale_patience=min_scale_patience,
+        skip_impl=_skip_impl,
     )
 
 
@@ -273,16 +271,14 @@ def loss_scaled_by_group(
             "returning one, got None."
         )
     return _make(
-        _check_inner(inner),
+        inner,
         groups,
         param_labels,
-        axis_name=_checks.axis_name(axis_name),
-        mask=_tree.check_mask(mask),
-        on_min_scale=_check_on_min_scale(on_min_scale),
-        min_scale_patience=_checks.positive_int(
-            "min_scale_patience", min_scale_patience
-        ),
-        skip_impl=_check_skip_impl(_skip_impl),
+        axis_name=axis_name,
+        mask=mask,
+        on_min_scale=on_min_scale,
+        min_scale_patience=min_scale_patience,
+        skip_impl=_skip_impl,
     )
 
 
@@ -348,16 +344,25 @@ def _raise_stuck_at_min(stuck, skips, scales) -> None:
 
 
 def _make(
-    inner: optax.GradientTransformationExtraArgs,
+    inner: Any,
     loss_scale: LossScale | dict[Any, LossScale],
     param_labels: Any,
     *,
     axis_name: Any,
     mask: Any,
-    on_min_scale: str,
-    min_scale_patience: int,
-    skip_impl: SkipImpl,
+    on_min_scale: Any,
+    min_scale_patience: Any,
+    skip_impl: Any,
 ) -> optax.GradientTransformationExtraArgs:
+    """The transformation behind both factories; validates the options."""
+    inner = _check_inner(inner)
+    axis_name = _checks.axis_name(axis_name)
+    mask = _tree.check_mask(mask)
+    on_min_scale = _check_on_min_scale(on_min_scale)
+    min_scale_patience = _checks.positive_int(
+        "min_scale_patience", min_scale_patience
+    )
+    skip_impl = _check_skip_impl(skip_impl)
     grouped = param_labels is not None
 
     def as_groups(scale_state):

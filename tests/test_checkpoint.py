@@ -11,6 +11,7 @@ import pytest
 from flax import serialization
 
 import lossscale
+from tests.helpers import assert_trees_bitwise_equal
 
 pytestmark = pytest.mark.standard_promotion
 
@@ -61,13 +62,6 @@ def train(params, opt_state, xs):
     return params, opt_state
 
 
-def assert_bitwise(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.tobytes() == y.tobytes()
-
-
 def straight_and_first_half():
     xs = batches()
     params = init_params(0)
@@ -99,9 +93,9 @@ def test_orbax_resume_is_bitwise(tmp_path: pathlib.Path):
     ls = lossscale.get_loss_scale(restored["opt"])
     assert isinstance(ls, lossscale.DynamicLossScale)
     assert (ls.growth_interval, ls.hysteresis, ls.min_loss_scale) == (2, 2, 2.0)
-    assert_bitwise(restored["opt"], half[1])
+    assert_trees_bitwise_equal(restored["opt"], half[1])
     resumed = train(restored["params"], restored["opt"], xs[STEPS // 2 :])
-    assert_bitwise(resumed, straight)
+    assert_trees_bitwise_equal(resumed, straight)
 
 
 def test_flax_serialization_resume_is_bitwise():
@@ -111,9 +105,9 @@ def test_flax_serialization_resume_is_bitwise():
     restored = serialization.from_bytes(
         {"params": target[0], "opt": target[1]}, blob
     )
-    assert_bitwise(restored["opt"], half[1])
+    assert_trees_bitwise_equal(restored["opt"], half[1])
     resumed = train(restored["params"], restored["opt"], xs[STEPS // 2 :])
-    assert_bitwise(resumed, straight)
+    assert_trees_bitwise_equal(resumed, straight)
     # Control: resuming from the fresh target instead diverges.
     other = train(target[0], target[1], xs[STEPS // 2 :])
     assert not np.array_equal(other[0]["w"], straight[0]["w"])

@@ -9,6 +9,7 @@ from flax import nnx
 from flax.training import train_state
 
 import lossscale
+from tests.helpers import assert_trees_bitwise_equal
 
 pytestmark = pytest.mark.standard_promotion
 
@@ -36,11 +37,6 @@ def data(seed=0, n=64):
 
 def nnx_params(model):
     return jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
-
-
-def assert_bitwise(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
 
 
 class TestNNX:
@@ -90,8 +86,8 @@ class TestNNX:
         )
         _, m = self.train_step(model, optimizer, x.at[0, 0].set(jnp.inf), y)
         assert not bool(m["grads_finite"])
-        assert_bitwise(nnx_params(model), before)
-        assert_bitwise(
+        assert_trees_bitwise_equal(nnx_params(model), before)
+        assert_trees_bitwise_equal(
             nnx.as_pure(optimizer.opt_state.inner_state), inner_before
         )
         # The contract: nnx.Optimizer.step advances on a skipped update,
@@ -139,7 +135,7 @@ def test_linen_train_state():
     state = step(state, x, y)
     before = state.params
     state = step(state, x.at[3, 1].set(jnp.nan), y)
-    assert_bitwise(state.params, before)
+    assert_trees_bitwise_equal(state.params, before)
     m = lossscale.metrics(state.opt_state)
     assert int(state.step) == 2 and int(m["skipped_steps"]) == 1
     assert float(m["loss_scale"]) == 2.0**11

@@ -7,22 +7,13 @@ import optax
 import pytest
 
 import lossscale
+from tests.helpers import assert_trees_bitwise_equal
 
 SKIP_IMPLS = ["select", "cond"]
 
 
 def make(inner, ls, impl, **kwargs):
     return lossscale.loss_scaled(inner, ls, _skip_impl=impl, **kwargs)
-
-
-def assert_trees_equal(a, b):
-    """Bitwise equality of two trees (structure, dtype and bits)."""
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype
-        assert x.shape == y.shape
-        assert x.tobytes() == y.tobytes()
 
 
 @pytest.mark.parametrize("impl", SKIP_IMPLS)
@@ -82,8 +73,10 @@ class TestUpdate:
             for u in jax.tree.leaves(updates):
                 assert not np.any(np.asarray(u))  # zero updates
             new_params = optax.apply_updates(params, updates)
-            assert_trees_equal(new_params, before_params)
-            assert_trees_equal(new_state.inner_state, before_state.inner_state)
+            assert_trees_bitwise_equal(new_params, before_params)
+            assert_trees_bitwise_equal(
+                new_state.inner_state, before_state.inner_state
+            )
             assert not bool(new_state.grads_finite)
             assert float(new_state.loss_scale.loss_scale) == 2.0
 

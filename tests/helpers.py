@@ -1,0 +1,14 @@
+"""Assertions shared by the tests."""
+
+import jax
+import numpy as np
+
+
+def assert_trees_bitwise_equal(a, b):
+    """Same structure, and every leaf the same dtype, shape and bits."""
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype
+        assert x.shape == y.shape
+        assert x.tobytes() == y.tobytes()
