@@ -42,8 +42,15 @@ class Diagnosis(NamedTuple):
             self.scales, self.overflow, self.underflow, strict=True
         ):
             mark = "  <- recommended" if s == self.recommended else ""
-            rows.append(f"{s:9.4g}  {o:9.2%}  {u:9.2%}{mark}")
+            rows.append(f"{_pretty(s):>9}  {o:9.2%}  {u:9.2%}{mark}")
         return "\n".join(rows)
+
+
+def _pretty(scale: float) -> str:
+    exponent = np.log2(scale)
+    if exponent == np.round(exponent):
+        return f"2**{int(exponent)}"
+    return f"{scale:.4g}"
 
 
 def diagnose(
