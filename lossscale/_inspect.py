@@ -20,9 +20,9 @@ def _find_states(
     opt_state: Any, prefix: str = ""
 ) -> list[tuple[str, LossScaledState]]:
     found = []
-    leaves = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_state)[
-        0
-    ]
+    leaves, _ = jax.tree_util.tree_flatten_with_path(
+        opt_state, is_leaf=_is_state
+    )
     for path, leaf in leaves:
         if _is_state(leaf):
             where = prefix + jax.tree_util.keystr(path)
@@ -32,11 +32,7 @@ def _find_states(
 
 
 def _find_one(opt_state: Any, caller: str) -> LossScaledState:
-    if _is_state(opt_state):
-        nested = _find_states(opt_state.inner_state, ".inner_state")
-        found = [("", opt_state), *nested]
-    else:
-        found = _find_states(opt_state)
+    found = _find_states(opt_state)
     if not found:
         raise ValueError(
             f"{caller} found no LossScaledState in opt_state (of type "
