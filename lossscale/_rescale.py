@@ -10,13 +10,6 @@ import jax.numpy as jnp
 from lossscale import _tree
 
 
-def _scale_cotangent(g: Any, factor: jax.Array) -> Any:
-    if not _tree.is_float(g):
-        return g
-    dtype = _tree.compute_dtype(g.dtype)
-    return (g.astype(dtype) * factor.astype(dtype)).astype(g.dtype)
-
-
 @jax.custom_vjp
 def _rescale(tree: Any, factor: jax.Array) -> Any:
     return tree
@@ -27,7 +20,9 @@ def _rescale_fwd(tree, factor):
 
 
 def _rescale_bwd(factor, cotangent):
-    scaled = jax.tree.map(lambda g: _scale_cotangent(g, factor), cotangent)
+    scaled = jax.tree.map(
+        lambda g: _tree.multiply_keep_dtype(g, factor), cotangent
+    )
     return scaled, jnp.zeros_like(factor)
 
 

@@ -89,21 +89,13 @@ def _scale_leaf(x: Any, scale: jax.Array) -> Any:
     return x.astype(dtype) * jnp.asarray(scale).astype(dtype)
 
 
-def _unscale_leaf(x: Any, inv_scale: jax.Array) -> Any:
-    if not _tree.is_float(x):
-        return x
-    x = jnp.asarray(x)
-    dtype = _tree.compute_dtype(x.dtype)
-    return (x.astype(dtype) * inv_scale.astype(dtype)).astype(x.dtype)
-
-
 def _scale_tree(tree: T, loss_scale: Any) -> T:
     return jax.tree.map(lambda x: _scale_leaf(x, loss_scale), tree)
 
 
 def _unscale_tree(tree: T, loss_scale: Any) -> T:
     inv_scale = jnp.reciprocal(jnp.asarray(loss_scale, jnp.float32))
-    return jax.tree.map(lambda x: _unscale_leaf(x, inv_scale), tree)
+    return jax.tree.map(lambda x: _tree.multiply_keep_dtype(x, inv_scale), tree)
 
 
 @runtime_checkable

@@ -305,16 +305,7 @@ def _resolve_labels(param_labels: Any, groups: dict, tree: Any) -> Any:
     if param_labels is None:
         return jax.tree.map(lambda _: _SINGLE, tree)
     labels = param_labels(tree) if callable(param_labels) else param_labels
-    try:
-        full = jax.tree.map(
-            lambda lab, sub: jax.tree.map(lambda _: lab, sub), labels, tree
-        )
-    except ValueError as err:
-        raise ValueError(
-            "param_labels must have the structure of the gradients (or a "
-            f"prefix of it), got {jax.tree.structure(labels)} for gradients "
-            f"with structure {jax.tree.structure(tree)}."
-        ) from err
+    full = _tree.broadcast_prefix(labels, tree, "param_labels")
     unknown = {lab for lab in jax.tree.leaves(full) if lab not in groups}
     if unknown:
         raise ValueError(

@@ -42,6 +42,18 @@ def compute_dtype(dtype: Any) -> np.dtype:
     return dtype
 
 
+def multiply_keep_dtype(x: Any, factor: jax.Array) -> Any:
+    """``x * factor`` computed in :func:`compute_dtype`, cast back to x's.
+
+    Non-floating leaves pass through untouched.
+    """
+    if not is_float(x):
+        return x
+    x = jnp.asarray(x)
+    dtype = compute_dtype(x.dtype)
+    return (x.astype(dtype) * jnp.asarray(factor).astype(dtype)).astype(x.dtype)
+
+
 def _nonfinite_indicator(x: jax.Array) -> jax.Array:
     """A flat float32 array: 0 where ``x`` is finite, NaN elsewhere.
 
@@ -184,6 +196,22 @@ def _check_mask_leaves(mask_tree: PyTree) -> None:
             )
 
 
+def broadcast_prefix(prefix: PyTree, tree: PyTree, name: str) -> PyTree:
+    """``prefix`` (a tree prefix of ``tree``) with each leaf repeated over
+    the subtree of ``tree`` it covers; a ``ValueError`` naming ``name`` if
+    it is not a prefix."""
+    try:
+        return jax.tree.map(
+            lambda p, sub: jax.tree.map(lambda _: p, sub), prefix, tree
+        )
+    except ValueError as err:
+        raise ValueError(
+            f"{name} must have the structure of the gradients (or a prefix "
+            f"of it), got {name} structure {jax.tree.structure(prefix)} for "
+            f"gradients with structure {jax.tree.structure(tree)}."
+        ) from err
+
+
 def resolve_mask(mask: MaskOrFn, tree: PyTree) -> PyTree:
     """A tree of bools with the structure of ``tree``.
 
@@ -195,33 +223,4 @@ def resolve_mask(mask: MaskOrFn, tree: PyTree) -> PyTree:
         return jax.tree.map(lambda _: True, tree)
     mask_tree = mask(tree) if callable(mask) else mask
     _check_mask_leaves(mask_tree)
-    try:
-        return jax.tree.map(
-            lambda m, sub: jax.tree.map(lambda _: bool(m), sub),
-            mask_tree,
-            tree,
-        )
-    except ValueError as err:
-        raise ValueError(
-            "mask must have the structure of the gradients (or a prefix of "
-            f"it), got mask structure {jax.tree.structure(mask_tree)} for "
-            f"gradients with structure {jax.tree.structure(tree)}."
-        ) from err
-
-
-def map_masked(
-    fn: Callable[[Any], Any], mask_tree: PyTree, tree: PyTree
-) -> PyTree:
-    """Applies ``fn`` to the leaves of ``tree`` whose mask is True."""
-    return jax.tree.map(lambda m, x: fn(x) if m else x, mask_tree, tree)
-
-
-def masked_leaves(mask_tree: PyTree, tree: PyTree) -> list[Any]:
-    """The leaves of ``tree`` whose mask is True."""
-    return [
-        x
-        for m, x in zip(
-            jax.tree.leaves(mask_tree), jax.tree.leaves(tree), strict=True
-        )
-        if m
-    ]
+    return broadcast_prefix(jax.tree.map(bool, mask_tree), tree, "mask")
