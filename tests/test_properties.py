@@ -10,7 +10,7 @@ float32, as on the device.
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import lossscale
@@ -123,13 +123,33 @@ def test_matches_reference_step_by_step(cfg, pattern):
 
 @settings(max_examples=30, deadline=None)
 @given(cfg=configs(), pattern=patterns)
+@example(  # power-of-two growth but not backoff: scales leave powers of two
+    cfg={
+        "loss_scale": 16.0,
+        "growth_interval": 1,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.09375,
+        "min_loss_scale": 1.0,
+        "max_loss_scale": 16.0,
+        "hysteresis": 1,
+    },
+    pattern=(False,),
+)
 def test_invariants(cfg, pattern):
     out = run_library(cfg, pattern)
     scales = np.array([s for s, _ in out])
     assert np.all(np.isfinite(scales)) and np.all(scales > 0)
     assert np.all(scales >= F32(cfg["min_loss_scale"]))
     assert np.all(scales <= F32(cfg["max_loss_scale"]))
-    if cfg["growth_factor"] in (2.0, 4.0) and cfg["max_loss_scale"] < 2.0**127:
+
+    def is_pow2(x):
+        return np.log2(x) == np.round(np.log2(x))
+
+    pow2 = all(
+        is_pow2(cfg[k])
+        for k in ("growth_factor", "backoff_factor", "max_loss_scale")
+    )
+    if pow2:
         # power-of-two factors and bounds: every scale is a power of two
         exps = np.log2(scales)
         np.testing.assert_array_equal(exps, np.round(exps))
