@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from lossscale import _checks, _tree
+from lossscale import _checks, _skip, _tree
 from lossscale._scales import LossScale
 
 SkipImpl = Literal["auto", "select", "cond"]
@@ -80,13 +80,12 @@ def _check_loss_scale(loss_scale: Any, name: str = "loss_scale") -> LossScale:
 
 
 def _resolve_skip_impl(skip_impl: SkipImpl) -> Literal["select", "cond"]:
-    # "auto" is a conditional on every backend. A branch-free select over
-    # the inner state (new if finite else old) makes XLA copy the state,
-    # because the in-place update and the select both read the old values:
-    # on CPU that measured about twice as slow as the conditional, and its
-    # compile time exploded with the number of leaves (minutes at 500). The
-    # select stays available for measurements (benchmarks/).
-    return "cond" if skip_impl == "auto" else skip_impl
+    # "auto" is the branch-free select on every backend: no host round-trip
+    # for the predicate (a conditional needs one on GPU), and, written as in
+    # _skip.select_update, no copy of the state and no extra buffer. The
+    # conditional materialises the updates (they leave it as a buffer instead
+    # of fusing into optax.apply_updates); it stays for measurements.
+    return "select" if skip_impl == "auto" else skip_impl
 
 
 def _zeros_like_updates(grads: Any, out: Any) -> Any:
@@ -487,16 +486,7 @@ def _make(
 def _apply_or_skip(finite, apply, grads, old_inner, skip_impl):
     """The inner update if ``finite``, else zero updates and the old state."""
     if _resolve_skip_impl(skip_impl) == "select":
-        new_updates, new_inner = apply()
-        new_updates = jax.tree.map(
-            lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates
-        )
-        new_inner = jax.tree.map(
-            lambda new, old: jnp.where(finite, new, old).astype(new.dtype),
-            new_inner,
-            old_inner,
-        )
-        return new_updates, new_inner
+        return _skip.select_update(finite, apply, old_inner)
 
     def skip():
         out_updates, out_inner = jax.eval_shape(apply)

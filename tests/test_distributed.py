@@ -173,8 +173,14 @@ def test_shard_map_sharded_optimizer_state(impl):
     mu = np.asarray(s.inner_state[0].mu["w"])
     np.testing.assert_array_equal(mu, np.zeros(4 * N))
 
-    # Negative control: without axis_name only device 5 skips; the others
-    # update their shards and the replicated scale splits.
+    # Negative control: without axis_name devices disagree. The select
+    # refuses to build a step whose replicated state would split...
+    if impl == "select":
+        with pytest.raises(ValueError, match=r"axis_name=\('d',\)"):
+            run(None, P("d"))
+        return
+    # ...the conditional lets it: only device 5 skips, the others update
+    # their shards, and the replicated scale splits.
     p, s = run(None, P("d"))
     finite = np.asarray(s.grads_finite)
     assert finite.tolist() == [True] * 5 + [False] + [True] * 2

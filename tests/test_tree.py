@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import lossscale
 
@@ -62,6 +64,45 @@ class TestAllFinite:
             x = jnp.array([1e300, 1e308], jnp.float64)
             assert bool(lossscale.all_finite(x))
             assert not bool(lossscale.all_finite(x * 10))
+
+
+class TestCheckLayout:
+    """On CPU the check reduces big leaves by rows, small ones together."""
+
+    @pytest.mark.parametrize(
+        "size", [1, 16, 1023, 1024, 1025, 1040, 16 * 1024 + 5, 100_003]
+    )
+    def test_every_position_of_a_leaf(self, size):
+        check = jax.jit(lossscale.all_finite)
+        x = jnp.ones(size, jnp.float32)
+        assert bool(check(x))
+        # first, middle, last of the row-reduced part, first of the tail
+        for pos in {0, size // 2, size // 16 * 16 - 1, size - 1} - {-1}:
+            assert not bool(check(x.at[pos].set(jnp.nan))), pos
+
+    def test_each_of_many_leaves(self):
+        sizes = [1, 7, 64, 1024, 1025, 3, 500, 2048, 9, 1000, 77, 5000, 2]
+        tree = [jnp.ones((n,), jnp.float32) for n in sizes]
+        check = jax.jit(lossscale.all_finite)
+        assert bool(check(tree))
+        for i, n in enumerate(sizes):
+            bad = list(tree)
+            bad[i] = bad[i].at[n - 1].set(-jnp.inf)
+            assert not bool(check(bad)), i
+
+    @settings(max_examples=25, deadline=None)
+    @given(
+        sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=12),
+        data=st.data(),
+    )
+    def test_matches_numpy(self, sizes, data):
+        leaves = [np.ones(n, np.float32) for n in sizes]
+        for i, n in enumerate(sizes):
+            if n and data.draw(st.booleans(), label=f"bad{i}"):
+                pos = data.draw(st.integers(0, n - 1), label=f"pos{i}")
+                leaves[i][pos] = np.inf
+        want = all(np.isfinite(x).all() for x in leaves)
+        assert bool(jax.jit(lossscale.all_finite)(leaves)) == want
 
 
 class TestSelectTree:
