@@ -39,16 +39,18 @@ _NOT_STATE = object()
 
 
 def _where(finite: jax.Array, new: Any, old: Any) -> jax.Array:
-    new = jnp.asarray(new)
-    old = jnp.asarray(old)
-    if old.shape != new.shape:
+    new = jnp.asarray(new)  # a literal or a constant may be a NumPy value
+    if jnp.shape(old) != new.shape:
         raise ValueError(
             "the inner optimizer's update returned a state leaf of shape "
-            f"{new.shape} where its state had shape {old.shape}; lossscale "
-            "needs update to return a state shaped like the one it was given."
+            f"{new.shape} where its state had shape {jnp.shape(old)}; "
+            "lossscale needs update to return a state shaped like the one it "
+            "was given."
         )
+    if jnp.result_type(old) != new.dtype:
+        old = lax.convert_element_type(old, new.dtype)
     # lax.select, not jnp.where: one primitive per leaf keeps tracing cheap.
-    return lax.select(finite, new, lax.convert_element_type(old, new.dtype))
+    return lax.select(finite, new, old)
 
 
 def _aval_vma(aval: Any) -> frozenset:
@@ -143,7 +145,7 @@ def select_update(
 
     def read(atom: Any) -> Any:
         if isinstance(atom, jex_core.Literal):
-            return jnp.asarray(atom.val, atom.aval.dtype)
+            return atom.val  # as eval_jaxpr does; no device_put per literal
         return env[atom]
 
     for var, const in zip(jaxpr.constvars, closed.consts, strict=True):
@@ -156,7 +158,7 @@ def select_update(
     updates = []
     for atom in update_atoms:
         value = jnp.asarray(read(atom))
-        updates.append(lax.select(finite, value, jnp.zeros_like(value)))
+        updates.append(lax.select(finite, value, lax.full_like(value, 0)))
     state = []
     for atom, old in zip(state_atoms, old_leaves, strict=True):
         value = read(atom)

@@ -396,29 +396,32 @@ def _make(
         labels = _resolve_labels(param_labels, groups, updates)
         mask_tree = _tree.resolve_mask(mask, updates)
 
-        def unscaled():
-            # Unscaled where it is used rather than once up front: XLA fuses
-            # the multiply into the finiteness reduction and into the inner
-            # update (inside the conditional), instead of materialising a
-            # parameter-sized copy of the gradients that both must read.
-            return jax.tree.map(
-                lambda lab, m, g: groups[lab].unscale(g) if m else g,
-                labels,
-                mask_tree,
-                updates,
-            )
+        flat_grads, treedef = jax.tree.flatten(updates)
+        flat_labels = jax.tree.leaves(labels)
+        flat_mask = jax.tree.leaves(mask_tree)
+        members = {key: [] for key in groups}
+        for i, (lab, m) in enumerate(zip(flat_labels, flat_mask, strict=True)):
+            if m:
+                members[lab].append(i)
 
-        flat = list(
-            zip(
-                jax.tree.leaves(labels),
-                jax.tree.leaves(mask_tree),
-                jax.tree.leaves(unscaled()),
-                strict=True,
-            )
-        )
+        def unscaled():
+            # One unscale per group (one reciprocal of its scale), called
+            # where the result is used: XLA fuses the multiply into the
+            # finiteness check and into the inner update (inside the
+            # conditional with _skip_impl="cond") instead of materialising
+            # an unscaled copy of the gradients.
+            out = list(flat_grads)
+            for key, idx in members.items():
+                if idx:
+                    new = groups[key].unscale([flat_grads[i] for i in idx])
+                    for i, g in zip(idx, new, strict=True):
+                        out[i] = g
+            return out
+
+        checked = unscaled()
         order = list(groups)
         group_finite = _tree.finite_by_group(
-            [[g for lab, m, g in flat if m and lab == key] for key in order],
+            [[checked[i] for i in members[key]] for key in order],
             axis_name=axis_name,
         )
         finite = jnp.all(group_finite)
@@ -426,7 +429,10 @@ def _make(
         def apply():
             try:
                 return inner.update(
-                    unscaled(), state.inner_state, params, **extra_args
+                    jax.tree.unflatten(treedef, unscaled()),
+                    state.inner_state,
+                    params,
+                    **extra_args,
                 )
             except (ValueError, TypeError) as err:
                 err.add_note(
