@@ -128,7 +128,9 @@ def loss_scaled(
     4. if any gradient was inf or NaN, returns zero updates (so
        ``optax.apply_updates`` leaves the parameters bit-for-bit unchanged)
        and keeps ``inner``'s state exactly as it was: its step count,
-       moments and schedules do not advance. No host round-trip is needed;
+       moments and schedules do not advance. The skip is a branch-free
+       select on the device (no host round-trip) that copies no state:
+       see ``lossscale/_skip.py``;
     5. adjusts the loss scale (e.g. backs off a :class:`DynamicLossScale`).
 
     Read the scale for the next forward pass with
@@ -159,6 +161,9 @@ def loss_scaled(
         TypeError: if ``inner`` is not a gradient transformation,
             ``loss_scale`` does not implement the protocol, or ``axis_name``
             or ``mask`` is malformed.
+        ValueError: in ``update`` under ``shard_map``, if the gradients'
+            finiteness varies over a mapped axis that some of ``inner``'s
+            state is replicated over (``axis_name`` does not name it).
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax

@@ -80,6 +80,23 @@ class TestCheckLayout:
         for pos in {0, size // 2, size // 16 * 16 - 1, size - 1} - {-1}:
             assert not bool(check(x.at[pos].set(jnp.nan))), pos
 
+    @pytest.mark.parametrize(
+        "shape", [(40, 37), (16, 128), (37, 16), (3, 40, 33), (8, 1000)]
+    )
+    def test_every_region_of_a_wide_leaf(self, shape):
+        # Tiles of 16 x 16 over the last two axes, then the rows and the
+        # columns past the last whole tile; (8, 1000) is too thin for tiles.
+        check = jax.jit(lossscale.all_finite)
+        x = jnp.ones(shape, jnp.float32)
+        assert bool(check(x))
+        *lead, a, b = shape
+        corner = tuple(n - 1 for n in lead)
+        last_tile = (a // 16 * 16 - 1, b // 16 * 16 - 1)
+        corners = [(0, 0), (a - 1, 0), (0, b - 1), (a - 1, b - 1)]
+        for i, j in [*corners, (a // 2, b // 2), last_tile]:
+            bad = x.at[(*corner, i, j)].set(jnp.inf)
+            assert not bool(check(bad)), (i, j)
+
     def test_each_of_many_leaves(self):
         sizes = [1, 7, 64, 1024, 1025, 3, 500, 2048, 9, 1000, 77, 5000, 2]
         tree = [jnp.ones((n,), jnp.float32) for n in sizes]
