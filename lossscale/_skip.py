@@ -138,8 +138,6 @@ def select_update(
     env: dict[Any, Any] = {}
 
     def write(var: Any, value: Any) -> None:
-        if isinstance(var, jex_core.DropVar):
-            return
         old = fallback.get(var, _NOT_STATE)
         env[var] = value if old is _NOT_STATE else _where(finite, value, old)
 

@@ -12,3 +12,12 @@ def assert_trees_bitwise_equal(a, b):
         assert x.dtype == y.dtype
         assert x.shape == y.shape
         assert x.tobytes() == y.tobytes()
+
+
+def enable_x64():
+    """A context with float64 enabled, on every supported jax version."""
+    if hasattr(jax, "enable_x64"):  # jax >= 0.8
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64 as legacy
+
+    return legacy(True)

@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import lossscale
+from tests.helpers import enable_x64
 
 pytestmark = pytest.mark.standard_promotion
 
@@ -40,7 +41,7 @@ class TestOddTrees:
         np.testing.assert_array_equal(updates, [0, 0])
 
     def test_float64_with_x64(self):
-        with jax.enable_x64(True):
+        with enable_x64():
             tx = sgd_wrapped()
             params = jnp.zeros(1, jnp.float64)
             g = jnp.array([4.0 * (1 + 2.0**-40)], jnp.float64)

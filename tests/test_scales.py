@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import lossscale
+from tests.helpers import enable_x64
 
 T, F = True, False
 
@@ -294,7 +295,7 @@ class TestScaleUnscale:
         assert float(ls.loss_scale) == 1.0
 
     def test_float64_with_x64(self):
-        with jax.enable_x64(True):
+        with enable_x64():
             ls = lossscale.StaticLossScale(4.0)
             g = jnp.asarray([1.0 + 2.0**-40], jnp.float64)
             out = ls.unscale(ls.scale(g))

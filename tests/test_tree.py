@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lossscale
+from tests.helpers import enable_x64
 
 FLOAT_DTYPES = [
     jnp.float16,
@@ -60,7 +61,7 @@ class TestAllFinite:
             assert bool(out)
 
     def test_float64(self):
-        with jax.enable_x64(True):
+        with enable_x64():
             x = jnp.array([1e300, 1e308], jnp.float64)
             assert bool(lossscale.all_finite(x))
             assert not bool(lossscale.all_finite(x * 10))
