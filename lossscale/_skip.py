@@ -15,8 +15,9 @@ selected version. Everything downstream (the updates, other state leaves)
 then reads the selected state, which is a data dependency XLA respects: the
 state is written in place first, and the parameter update reads it after.
 When ``finite`` is true the selected values *are* the new values, so the
-results are bitwise those of ``inner.update``; when it is false the updates
-are zeroed and the state is the old one, whatever was computed in between.
+same operations run on the same values as in ``inner.update``; when it is
+false the updates are zeros and the state is the old one, bit for bit,
+whatever was computed in between.
 
 Measured on CPU (``benchmarks/``): no state copy, no extra buffer, and the
 parameter update stays fused into ``optax.apply_updates``. Optimizers whose
