@@ -54,6 +54,11 @@ class TestAllFinite:
         }
         assert bool(lossscale.all_finite(tree))
 
+    def test_python_and_numpy_leaves(self):
+        assert bool(lossscale.all_finite([1.0, np.float32(2.0), np.ones(3)]))
+        assert not bool(lossscale.all_finite([1.0, np.array([2.0, np.inf])]))
+        assert not bool(lossscale.all_finite({"x": float("nan")}))
+
     def test_empty(self):
         for tree in ({}, [], None, {"a": jnp.zeros((0,))}):
             out = lossscale.all_finite(tree)
