@@ -249,9 +249,9 @@ def full_step(width: int, depth: int, batch: int, rounds: int, calls: int):
     tx = lossscale.loss_scaled(inner, lossscale.DynamicLossScale(2.0**10))
 
     def by_hand(params, state):
-        # The same static scale applied by hand, no check, no skip: the
-        # baseline for what the wrapper adds. (Unscaled float16 gradients
-        # underflow to subnormals, which are slow on CPUs: not a fair base.)
+        # The same loss scaling done by hand, with no check and no skip:
+        # the baseline for what the wrapper adds (a step that does not
+        # scale at all computes something else, so it is listed last).
         grads = jax.grad(lambda p: loss_fn(p) * 2.0**10)(params)
         grads = jax.tree.map(lambda g: g * 2.0**-10, grads)
         updates, state = inner.update(grads, state, params)
