@@ -39,6 +39,10 @@ from jax.extend import core as jex_core
 _NOT_STATE = object()
 
 
+class UnsupportedJax(RuntimeError):
+    """This JAX's internals differ from what :func:`select_update` uses."""
+
+
 def _where(finite: jax.Array, new: Any, old: Any) -> jax.Array:
     new = jnp.asarray(new)  # a literal or a constant may be a NumPy value
     if jnp.shape(old) != new.shape:
@@ -96,6 +100,10 @@ def select_update(
     Returns:
         ``(updates, state)``: those of ``update()`` where ``finite``;
         zeros of the updates' dtypes and ``old_state`` otherwise.
+
+    Raises:
+        UnsupportedJax: if evaluating the traced update fails (the JAX
+            internals this relies on changed); the caller falls back.
     """
     closed, (updates_shape, state_shape) = jax.make_jaxpr(
         update, return_shape=True
@@ -132,10 +140,6 @@ def select_update(
     # as two state leaves is substituted by its first one's selection; the
     # second is selected again below, with its own old leaf.
     fallback: dict[Any, Any] = {}
-    for atom, old in zip(state_atoms, old_leaves, strict=True):
-        if isinstance(atom, jex_core.Var):
-            fallback.setdefault(atom, old)
-
     env: dict[Any, Any] = {}
 
     def write(var: Any, value: Any) -> None:
@@ -147,12 +151,20 @@ def select_update(
             return atom.val  # as eval_jaxpr does; no device_put per literal
         return env[atom]
 
-    for var, const in zip(jaxpr.constvars, closed.consts, strict=True):
-        write(var, const)
-    for eqn in jaxpr.eqns:
-        outs = _bind(eqn, [read(atom) for atom in eqn.invars])
-        for var, out in zip(eqn.outvars, outs, strict=True):
-            write(var, out)
+    try:
+        for atom, old in zip(state_atoms, old_leaves, strict=True):
+            if isinstance(atom, jex_core.Var):
+                fallback.setdefault(atom, old)
+        for var, const in zip(jaxpr.constvars, closed.consts, strict=True):
+            write(var, const)
+        for eqn in jaxpr.eqns:
+            outs = _bind(eqn, [read(atom) for atom in eqn.invars])
+            for var, out in zip(eqn.outvars, outs, strict=True):
+                write(var, out)
+    except (AttributeError, TypeError, KeyError) as err:
+        # The update itself was traced without error above, so a failure
+        # here is this evaluator meeting JAX internals it does not know.
+        raise UnsupportedJax(f"{type(err).__name__}: {err}") from err
 
     updates = []
     for atom in update_atoms:

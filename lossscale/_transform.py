@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
@@ -497,7 +498,17 @@ def _make(
 def _apply_or_skip(finite, apply, grads, old_inner, skip_impl):
     """The inner update if ``finite``, else zero updates and the old state."""
     if _resolve_skip_impl(skip_impl) == "select":
-        return _skip.select_update(finite, apply, old_inner)
+        try:
+            return _skip.select_update(finite, apply, old_inner)
+        except _skip.UnsupportedJax as err:
+            warnings.warn(
+                "lossscale: the copy-free skip does not support this JAX "
+                f"version ({jax.__version__}; {err}); using a conditional "
+                "skip instead, which is correct but copies the updates. "
+                "Please report this.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def skip():
         out_updates, out_inner = jax.eval_shape(apply)

@@ -294,3 +294,36 @@ def test_optax_zoo_select_matches_cond(name):
             np.testing.assert_allclose(x, y, rtol=2e-6, atol=1e-7)
     # Control: the steps did change the parameters.
     assert not np.allclose(runs["select"][-1][0]["w"], params["w"])
+
+
+def test_falls_back_to_the_conditional_if_jax_internals_change(monkeypatch):
+    """A JAX whose jaxpr internals moved degrades to the conditional, loudly."""
+    params = {"w": jnp.arange(3.0)}
+    grads = {"w": jnp.array([64.0, -128.0, 32.0])}
+    ls = lossscale.StaticLossScale(64.0)
+    cond = lossscale.loss_scaled(optax.adam(0.1), ls, _skip_impl="cond")
+    want_u, want_s = jax.jit(cond.update)(grads, cond.init(params), params)
+
+    def moved(eqn, invals):
+        raise AttributeError("'JaxprEqn' object has no attribute 'params'")
+
+    monkeypatch.setattr(_skip, "_bind", moved)
+    tx = lossscale.loss_scaled(optax.adam(0.1), ls)
+    with pytest.warns(RuntimeWarning, match="copy-free skip"):
+        u, s = jax.jit(tx.update)(grads, tx.init(params), params)
+    np.testing.assert_array_equal(u["w"], want_u["w"])
+    np.testing.assert_array_equal(
+        s.inner_state[0].mu["w"], want_s.inner_state[0].mu["w"]
+    )
+
+
+def test_errors_of_the_inner_update_are_not_taken_for_jax_changes():
+    """A wrong call still fails as itself (no fallback, no warning)."""
+    tx = lossscale.loss_scaled(optax.adam(0.1), lossscale.StaticLossScale(2.0))
+    state = tx.init({"w": jnp.ones(3)})
+    grads = {"w": jnp.ones(3), "extra": jnp.ones(2)}
+    with pytest.raises((ValueError, TypeError)) as info:
+        jax.jit(tx.update)(grads, state)
+    assert "inner optimizer's update failed" in " ".join(
+        getattr(info.value, "__notes__", [])
+    )
