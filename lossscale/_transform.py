@@ -85,7 +85,8 @@ def _resolve_skip_impl(skip_impl: SkipImpl) -> Literal["select", "cond"]:
     # for the predicate (a conditional needs one on GPU), and, written as in
     # _skip.select_update, no copy of the state and no extra buffer. The
     # conditional materialises the updates (they leave it as a buffer instead
-    # of fusing into optax.apply_updates); it stays for measurements.
+    # of fusing into optax.apply_updates); it stays for measurements and
+    # as the fallback when _skip cannot evaluate this JAX's jaxprs.
     return "select" if skip_impl == "auto" else skip_impl
 
 
