@@ -30,5 +30,7 @@ def test_quick_benchmark_writes_every_section(tmp_path):
         assert section in report
     for variant in step_overhead.OPTIMIZER_VARIANTS:
         assert f"| {variant} |" in report
+    assert "| trace ms | lower + compile ms |" in report
+    assert "| unscale + all_finite, no skip |" in report
     ratios = [float(r) for r in re.findall(r"\| ([0-9.]+) \|\n", report)]
     assert ratios and all(r > 0 for r in ratios)
