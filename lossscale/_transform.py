@@ -154,6 +154,16 @@ def loss_scaled(
             scale/amax metadata, frozen leaves); they reach ``inner``
             unchanged. A callable is called on the gradients in ``update``
             and on the parameters in ``init``.
+        on_min_scale: ``"ignore"`` (the default: keep skipping; watch
+            ``at_min_scale`` and ``consecutive_skips`` in :func:`metrics`)
+            or ``"error"``: raise a ``FloatingPointError`` from the host
+            (through ``jax.debug.callback``, called only when it fires)
+            once ``min_scale_patience`` consecutive steps were skipped with
+            the loss scale at its minimum, where lowering it no longer
+            helps. JAX may surface it wrapped in its own runtime error.
+        min_scale_patience: the number of consecutive skipped steps at the
+            minimum scale before ``on_min_scale="error"`` raises; a
+            positive int.
 
     Returns:
         A :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -163,6 +173,9 @@ def loss_scaled(
         TypeError: if ``inner`` is not a gradient transformation,
             ``loss_scale`` does not implement the protocol, or ``axis_name``
             or ``mask`` is malformed.
+        ValueError: if ``on_min_scale`` is not ``"ignore"`` or ``"error"``,
+            or ``min_scale_patience`` is not in ``[1, 2**31 - 1]`` (a
+            ``TypeError`` if it is not an int).
         ValueError: in ``update`` under ``shard_map``, if the gradients'
             finiteness varies over a mapped axis that some of ``inner``'s
             state is replicated over (``axis_name`` does not name it).
