@@ -175,10 +175,10 @@ def loss_scaled(
             or ``mask`` is malformed.
         ValueError: if ``on_min_scale`` is not ``"ignore"`` or ``"error"``,
             or ``min_scale_patience`` is not in ``[1, 2**31 - 1]`` (a
-            ``TypeError`` if it is not an int).
-        ValueError: in ``update`` under ``shard_map``, if the gradients'
-            finiteness varies over a mapped axis that some of ``inner``'s
-            state is replicated over (``axis_name`` does not name it).
+            ``TypeError`` if it is not an int); and in ``update`` under
+            ``shard_map``, if the gradients' finiteness varies over a mapped
+            axis that some of ``inner``'s state is replicated over
+            (``axis_name`` does not name it).
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax
