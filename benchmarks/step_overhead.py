@@ -41,6 +41,7 @@ import numpy as np
 import optax
 
 import lossscale
+from lossscale import _transform
 
 HERE = pathlib.Path(__file__).resolve().parent
 LEAVES = 40
@@ -72,10 +73,14 @@ def plain_step(inner):
     return init, step
 
 
-def lossscale_step(inner, impl="auto"):
-    tx = lossscale.loss_scaled(
-        inner, lossscale.DynamicLossScale(), _skip_impl=impl
-    )
+def loss_scaled(inner, loss_scale, impl="select"):
+    """``lossscale.loss_scaled`` with the skip made by ``impl``."""
+    with _transform.skip_impl(impl):
+        return lossscale.loss_scaled(inner, loss_scale)
+
+
+def lossscale_step(inner, impl="select"):
+    tx = loss_scaled(inner, lossscale.DynamicLossScale(), impl)
 
     def step(params, state, grads):
         updates, state = tx.update(grads, state, params)
@@ -271,9 +276,7 @@ def full_step(width: int, depth: int, batch: int, rounds: int, calls: int):
 
         return wrapped, tx.init
 
-    cond = lossscale.loss_scaled(
-        inner, lossscale.DynamicLossScale(2.0**10), _skip_impl="cond"
-    )
+    cond = loss_scaled(inner, lossscale.DynamicLossScale(2.0**10), "cond")
     steps = {
         "plain optax, loss scaled by hand": (by_hand, inner.init),
         "lossscale": wrapper(tx),

@@ -8,7 +8,8 @@ without a host round-trip, and adapts the scale.
 from lossscale import _interop as _interop
 from lossscale._accumulation import MultiSteps
 from lossscale._diagnose import Diagnosis, diagnose
-from lossscale._inspect import get_loss_scale, metrics
+from lossscale._finite import all_finite
+from lossscale._inspect import get_loss_scale, metrics, nonfinite_paths
 from lossscale._rescale import rescale_gradient
 from lossscale._scales import (
     DynamicLossScale,
@@ -21,7 +22,7 @@ from lossscale._transform import (
     loss_scaled,
     loss_scaled_by_group,
 )
-from lossscale._tree import all_finite, select_tree
+from lossscale._tree import select_tree
 
 __version__ = "0.1.0"
 
@@ -43,6 +44,7 @@ __all__ = (
     "loss_scaled",
     "loss_scaled_by_group",
     "metrics",
+    "nonfinite_paths",
     "rescale_gradient",
     "select_tree",
 )

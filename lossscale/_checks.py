@@ -15,12 +15,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lossscale import _compat
+
 _F32_MAX = float(np.finfo(np.float32).max)
+# A loss scale is usable only if it and its reciprocal are normal float32
+# numbers: a subnormal or infinite reciprocal unscales to 0 or inf.
+MIN_SCALE = 2.0**-126
+MAX_SCALE = 2.0**126
+SCALE_RANGE = "[2**-126, 2**126]"
 
 
 def is_concrete(value: Any) -> bool:
     """Whether ``value`` can be inspected in Python (it is not a tracer)."""
-    return not isinstance(value, jax.core.Tracer)
+    return not _compat.is_tracer(value)
 
 
 def scalar_float(name: str, value: Any) -> Any:
@@ -58,31 +65,66 @@ def scalar_float(name: str, value: Any) -> Any:
     return as_f32
 
 
-def positive_finite(name: str, value: Any) -> Any:
-    """A finite, strictly positive float32 scalar (see :func:`scalar_float`)."""
+def _in_scale_range(x: float) -> bool:
+    return bool(np.isfinite(x)) and MIN_SCALE <= x <= MAX_SCALE
+
+
+def scale_value(name: str, value: Any) -> Any:
+    """A loss scale: a float32 scalar in :data:`SCALE_RANGE`.
+
+    Concrete values are checked; tracers (a scale built inside a traced
+    function) are returned unchecked, for the caller to clamp.
+    """
     as_f32 = scalar_float(name, value)
-    if is_concrete(as_f32) and not (
-        np.isfinite(as_f32) and float(as_f32) > 0.0
-    ):
+    if is_concrete(as_f32) and not _in_scale_range(float(as_f32)):
         raise ValueError(
-            f"{name} must be finite and > 0 in float32, got {name}={value!r}."
+            f"{name} must be in {SCALE_RANGE} in float32, so that it and its "
+            f"reciprocal are normal float32 numbers, got {name}={value!r}."
         )
     return as_f32
 
 
-def python_float(name: str, value: Any, *, low: float, high: float) -> float:
-    """A Python float in the open interval ``(low, high)``."""
-    if isinstance(value, jax.core.Tracer):
+def static_float(name: str, value: Any) -> float:
+    """A static real number, as the Python float it is (never rounded)."""
+    if not is_concrete(value):
         raise TypeError(
             f"{name} is static configuration and must be a Python number, "
             f"got a traced value {name}={value!r}."
         )
-    as_f32 = scalar_float(name, value)
-    result = float(as_f32)
-    if not (np.isfinite(result) and low < result < high):
+    scalar_float(name, value)  # type and shape
+    return float(value)
+
+
+def open_interval(name: str, value: Any, *, low: float, high: float) -> float:
+    """A static float in ``(low, high)``, also once rounded to float32.
+
+    The value is kept as given (as PyTorch keeps its factors); the check
+    on its float32 rounding refuses, e.g., a backoff factor so close to 1
+    that the float32 arithmetic would never back off.
+    """
+    result = static_float(name, value)
+    with np.errstate(over="ignore"):
+        rounded = float(np.float32(result))
+    if not (
+        np.isfinite(result) and low < result < high and low < rounded < high
+    ):
         raise ValueError(
-            f"{name} must be in the open interval ({low}, {high}), "
-            f"got {name}={value!r}."
+            f"{name} must be in the open interval ({low}, {high}), also "
+            f"once rounded to float32, got {name}={value!r}."
+        )
+    return result
+
+
+def scale_bound(name: str, value: Any) -> float:
+    """A static scale bound in :data:`SCALE_RANGE`, kept as given."""
+    result = static_float(name, value)
+    with np.errstate(over="ignore"):
+        rounded = float(np.float32(result))
+    if not (_in_scale_range(result) and _in_scale_range(rounded)):
+        raise ValueError(
+            f"{name} must be in {SCALE_RANGE}, so that every scale it allows "
+            "and its reciprocal are normal float32 numbers, got "
+            f"{name}={value!r}."
         )
     return result
 
@@ -115,26 +157,38 @@ def axis_name(value: Any) -> Hashable | tuple[Hashable, ...] | None:
                 "got axis_name=()."
             )
         for item in value:
-            if (
-                item is None
-                or isinstance(item, tuple | list)
-                or not (isinstance(item, Hashable))
-            ):
+            if not _is_axis_name(item):
                 raise TypeError(
                     "axis_name must be a name or a tuple of names, got "
-                    f"axis_name={value!r} (bad element {item!r})."
+                    f"axis_name={value!r} (bad element {item!r}{_INT_HINT})."
                 )
         if len(set(value)) != len(value):
             raise ValueError(
                 f"axis_name must not repeat a name, got axis_name={value!r}."
             )
         return value
-    if isinstance(value, list | set | dict) or not isinstance(value, Hashable):
+    if not _is_axis_name(value):
         raise TypeError(
             "axis_name must be a name or a tuple of names, got "
-            f"axis_name={value!r} of type {type(value).__name__}."
+            f"axis_name={value!r} of type {type(value).__name__}"
+            f"{_INT_HINT}."
         )
     return value
+
+
+_INT_HINT = (
+    "; names of mapped axes are strings (or other hashables), never ints, "
+    "which JAX's collectives read as positional axes"
+)
+
+
+def _is_axis_name(item: Any) -> bool:
+    return not (
+        item is None
+        or isinstance(item, tuple | list | set | dict | numbers.Number)
+        or not isinstance(item, Hashable)
+        or (hasattr(item, "dtype") and hasattr(item, "shape"))
+    )
 
 
 def scalar_bool(name: str, value: Any) -> jax.Array:

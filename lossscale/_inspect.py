@@ -6,8 +6,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from lossscale import _interop
+from lossscale import _interop, _tree
 from lossscale._scales import LossScale
 from lossscale._transform import LossScaledState
 
@@ -100,9 +101,13 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
       (``steps - skipped_steps`` updates were applied);
     - ``"last_skip_step"``: the index of the last skipped step, -1 if none.
 
-    A :class:`DynamicLossScale` adds ``"growth_tracker"``,
-    ``"hysteresis_tracker"`` and ``"at_min_scale"``; any loss-scale policy
-    with a ``metrics()`` method adds its own keys. With
+    Every built-in loss scale adds ``"at_min_scale"`` (always true for a
+    :class:`StaticLossScale` or :class:`NoOpLossScale`, which cannot go
+    lower); a :class:`DynamicLossScale` adds ``"growth_tracker"`` and
+    ``"hysteresis_tracker"``; any loss-scale policy with a ``metrics()``
+    method adds its own keys. With ``report_nonfinite=True``,
+    ``"nonfinite_leaves"`` counts the gradient leaves that held an inf or
+    NaN in the last step (int32; :func:`nonfinite_paths` names them). With
     :func:`loss_scaled_by_group` the per-scale keys carry the group label:
     ``"loss_scale/<label>"``, ``"at_min_scale/<label>"``, ... No value
     leaves the device: call it inside ``jit`` and fetch when you log.
@@ -122,6 +127,8 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
         "steps": jnp.asarray(state.steps, jnp.int32),
         "last_skip_step": jnp.asarray(state.last_skip_step, jnp.int32),
     }
+    if state.nonfinite is not None:
+        out["nonfinite_leaves"] = jnp.sum(state.nonfinite, dtype=jnp.int32)
     scales = state.loss_scale
     grouped = isinstance(scales, dict)
     for label, scale in scales.items() if grouped else [(None, scales)]:
@@ -131,3 +138,63 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
         if callable(extra):
             out.update({k + suffix: v for k, v in extra().items()})
     return out
+
+
+def nonfinite_paths(opt_state: Any, tree: Any) -> list[str]:
+    """The key paths of the gradient leaves that were inf or NaN last step.
+
+    Needs an optimizer built with ``report_nonfinite=True``. Call it on the
+    host after a step, e.g. when :func:`metrics` shows a skipped step: it
+    fetches one small boolean array from the device.
+
+    Args:
+        opt_state: an optimizer state containing exactly one
+            :class:`LossScaledState` (see :func:`get_loss_scale`).
+        tree: a tree with the gradients' structure, usually the parameters:
+            its floating leaves are matched, in order, with the flags.
+
+    Returns:
+        The paths, as ``jax.tree_util.keystr`` writes them, in tree order;
+        an empty list after a finite step. Under ``pmap`` (a leading device
+        axis) the flags agree across devices and the first device's are
+        read.
+
+    Raises:
+        ValueError: if the optimizer was built without
+            ``report_nonfinite=True``, or ``tree`` has a different number
+            of floating leaves than the gradients.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax
+        >>> import lossscale
+        >>> tx = lossscale.loss_scaled(
+        ...     optax.sgd(0.1), lossscale.StaticLossScale(1.0),
+        ...     report_nonfinite=True)
+        >>> params = {"dense": {"w": jnp.ones(2), "b": jnp.ones(2)}}
+        >>> state = tx.init(params)
+        >>> grads = {"dense": {"w": jnp.ones(2), "b": jnp.array([1, jnp.inf])}}
+        >>> _, state = tx.update(grads, state, params)
+        >>> lossscale.nonfinite_paths(state, params)
+        ["['dense']['b']"]
+    """
+    state = _interop.unwrap_variables(_find_one(opt_state, "nonfinite_paths"))
+    if state.nonfinite is None:
+        raise ValueError(
+            "nonfinite_paths needs an optimizer built with "
+            "report_nonfinite=True (loss_scaled(..., report_nonfinite=True)); "
+            "this one does not record which leaves were non-finite."
+        )
+    flags = np.asarray(state.nonfinite)
+    flags = flags.reshape(-1, flags.shape[-1])[0] if flags.ndim > 1 else flags
+    paths = [
+        jax.tree_util.keystr(path)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+        if _tree.is_float(leaf)
+    ]
+    if len(paths) != flags.size:
+        raise ValueError(
+            f"tree has {len(paths)} floating leaves, but the gradients had "
+            f"{flags.size}: pass a tree with the gradients' structure (the "
+            "params, usually)."
+        )
+    return [path for path, bad in zip(paths, flags, strict=True) if bad]

@@ -81,6 +81,17 @@ def _replace(obj: S, **changes: Any) -> S:
     return new
 
 
+def _clamp(
+    scale: jax.Array, low: float, high: float, nan: float | None = None
+) -> jax.Array:
+    """``scale`` clipped to ``[low, high]`` in float32; NaN becomes ``nan``
+    (default ``low``), so that no traced value makes a scale NaN."""
+    scale = jnp.asarray(scale, jnp.float32)
+    clipped = jnp.clip(scale, np.float32(low), np.float32(high))
+    fill = np.float32(low if nan is None else nan)
+    return jnp.where(jnp.isnan(scale), fill, clipped).astype(jnp.float32)
+
+
 def _scale_leaf(x: Any, scale: jax.Array) -> Any:
     if not _tree.is_float(x):
         return x
@@ -164,7 +175,8 @@ class NoOpLossScale:
         return self
 
     def metrics(self) -> dict[str, jax.Array]:
-        return {}
+        """``{"at_min_scale": True}``: this scale can never go lower."""
+        return {"at_min_scale": jnp.ones((), jnp.bool_)}
 
 
 @_register
@@ -177,12 +189,15 @@ class StaticLossScale:
     the scale has (jmp's ``StaticLossScale`` retraces for every value).
 
     Args:
-        loss_scale: the scale, a finite number > 0 (stored as float32). A
-            power of two makes unscaling exact.
+        loss_scale: the scale, a number in ``[2**-126, 2**126]`` (stored
+            as float32), so that it and its reciprocal are normal float32
+            numbers. A power of two makes unscaling exact. A traced value
+            (a scale built inside ``jit``) cannot be checked: it is clamped
+            into that range, and NaN becomes 1.
 
     Raises:
         TypeError: if ``loss_scale`` is not a real number.
-        ValueError: if it is not a finite positive float32 scalar.
+        ValueError: if it is not a scalar in that range.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -197,7 +212,9 @@ class StaticLossScale:
     loss_scale: jax.Array
 
     def __init__(self, loss_scale: jax.typing.ArrayLike):
-        value = _checks.positive_finite("loss_scale", loss_scale)
+        value = _checks.scale_value("loss_scale", loss_scale)
+        if not _checks.is_concrete(value):
+            value = _clamp(value, _checks.MIN_SCALE, _checks.MAX_SCALE, 1.0)
         object.__setattr__(self, "loss_scale", value)
 
     def scale(self, tree: T) -> T:
@@ -211,7 +228,8 @@ class StaticLossScale:
         return self
 
     def metrics(self) -> dict[str, jax.Array]:
-        return {}
+        """``{"at_min_scale": True}``: this scale can never go lower."""
+        return {"at_min_scale": jnp.ones((), jnp.bool_)}
 
 
 @_register
@@ -234,7 +252,7 @@ class DynamicLossScale:
             hysteresis_tracker = max(hysteresis_tracker - 1, 0)
             if hysteresis_tracker == 0:
                 scale *= backoff_factor
-        scale = clip(scale, min_loss_scale, max_loss_scale)
+        scale = clip(scale, min_loss_scale, max_loss_scale)  # NaN -> min
 
     So with interval 2 and only finite steps the scale grows on steps 2, 4,
     6, ...; with ``hysteresis=2`` the first overflow after a growth (or
@@ -242,9 +260,13 @@ class DynamicLossScale:
     backs it off, until the next growth refills the tracker. Overflowing
     steps are skipped by :func:`lossscale.loss_scaled` whatever the
     hysteresis. The scale always stays in ``[min_loss_scale,
-    max_loss_scale]``: it can never become 0, inf or NaN. With power-of-two
-    factors and bounds, every scale is the initial scale times a power of
-    two, so unscaling is exact.
+    max_loss_scale]``, which lies in ``[2**-126, 2**126]``: it and its
+    reciprocal are normal float32 numbers, never 0, inf or NaN, whatever
+    the inputs (a NaN scale, from a traced initial value or a corrupted
+    checkpoint, becomes ``min_loss_scale``). With power-of-two factors and
+    bounds, every scale is the initial scale times a power of two, so
+    unscaling is exact. The configuration reads back exactly as given
+    (``backoff_factor=0.8`` stays ``0.8``); the arithmetic is float32.
 
     Leaves (float32/int32 scalars): ``loss_scale``, ``growth_tracker``
     (consecutive finite steps since the last growth or overflow) and
@@ -253,14 +275,20 @@ class DynamicLossScale:
 
     Args:
         loss_scale: the initial scale, in ``[min_loss_scale,
-            max_loss_scale]``. Default ``2**16``, PyTorch's.
+            max_loss_scale]``. Default ``2**16``, PyTorch's. A traced value
+            is clamped into the bounds instead of checked.
         growth_interval: consecutive finite steps before the scale grows.
-        growth_factor: the factor applied on growth, > 1.
-        backoff_factor: the factor applied on overflow, in (0, 1).
-        min_loss_scale: the floor, > 0. Default 1, as in jmp and Megatron-LM.
-        max_loss_scale: the ceiling, finite in float32. Default ``2**24``,
-            as in Apex: beyond it float16 gradients of typical models
-            overflow on every step anyway.
+        growth_factor: the factor applied on growth, > 1 (and finite in
+            float32).
+        backoff_factor: the factor applied on overflow, in (0, 1) (also
+            once rounded to float32).
+        min_loss_scale: the floor, in ``[2**-126, 2**126]``. Default 1, as
+            in jmp and Megatron-LM. Below 1, float16 gradients can overflow
+            when they are unscaled: :func:`lossscale.loss_scaled` refuses
+            that combination.
+        max_loss_scale: the ceiling, in ``[2**-126, 2**126]``. Default
+            ``2**24``, as in Apex: beyond it float16 gradients of typical
+            models overflow on every step anyway.
         hysteresis: overflows tolerated before the first backoff, as in
             Megatron-LM (which defaults to 2). Default 1: back off on every
             overflow.
@@ -307,38 +335,28 @@ class DynamicLossScale:
         max_loss_scale: float = 2.0**24,
         hysteresis: int = 1,
     ):
-        f32_max = _checks.f32_max()
         growth_interval = _checks.positive_int(
             "growth_interval", growth_interval
         )
         hysteresis = _checks.positive_int("hysteresis", hysteresis)
-        growth_factor = _checks.python_float(
+        growth_factor = _checks.open_interval(
             "growth_factor", growth_factor, low=1.0, high=np.inf
         )
-        backoff_factor = _checks.python_float(
+        backoff_factor = _checks.open_interval(
             "backoff_factor", backoff_factor, low=0.0, high=1.0
         )
-        min_loss_scale = _checks.python_float(
-            "min_loss_scale", min_loss_scale, low=0.0, high=np.inf
-        )
-        max_loss_scale = _checks.python_float(
-            "max_loss_scale", max_loss_scale, low=0.0, high=np.inf
-        )
-        if max_loss_scale > f32_max:
-            raise ValueError(
-                "max_loss_scale must be finite in float32, got "
-                f"max_loss_scale={max_loss_scale!r}."
-            )
+        min_loss_scale = _checks.scale_bound("min_loss_scale", min_loss_scale)
+        max_loss_scale = _checks.scale_bound("max_loss_scale", max_loss_scale)
         if min_loss_scale > max_loss_scale:
             raise ValueError(
                 "min_loss_scale must be <= max_loss_scale, got "
                 f"min_loss_scale={min_loss_scale!r} > "
                 f"max_loss_scale={max_loss_scale!r}."
             )
-        scale = _checks.positive_finite("loss_scale", loss_scale)
-        if _checks.is_concrete(scale) and not (
-            min_loss_scale <= float(scale) <= max_loss_scale
-        ):
+        scale = _checks.scale_value("loss_scale", loss_scale)
+        if not _checks.is_concrete(scale):
+            scale = _clamp(scale, min_loss_scale, max_loss_scale)
+        elif not min_loss_scale <= float(scale) <= max_loss_scale:
             raise ValueError(
                 "loss_scale must be in [min_loss_scale, max_loss_scale] = "
                 f"[{min_loss_scale!r}, {max_loss_scale!r}], got "
@@ -375,9 +393,7 @@ class DynamicLossScale:
             scale * self.growth_factor,
             jnp.where(backoff, scale * self.backoff_factor, scale),
         )
-        new_scale = jnp.clip(
-            new_scale, self.min_loss_scale, self.max_loss_scale
-        )
+        new_scale = _clamp(new_scale, self.min_loss_scale, self.max_loss_scale)
         new_growth = jnp.where(finite & ~grow, growth, 0)
         new_hyst = jnp.where(
             grow,

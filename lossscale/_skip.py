@@ -1,5 +1,16 @@
 """Skip an optimizer update on non-finite gradients, branch-free, in place.
 
+:func:`apply_if_finite` runs the inner update if the gradients were finite,
+and otherwise returns zero updates and the old state, bit for bit. It has
+three ways to do that:
+
+- **Concrete flag** (eager mode, ``jax.disable_jit()``): a Python branch.
+  A skipped step never runs the inner update, so ``jax_debug_nans`` stays
+  quiet and nothing is computed from the non-finite gradients.
+- **select** (the default under tracing): :func:`select_update`.
+- **cond**: ``lax.cond`` around the inner update; the fallback when
+  :func:`select_update` meets JAX internals it does not know.
+
 A branch-free skip keeps ``new if finite else old`` for every leaf of the
 inner optimizer's state and zeroes the updates. Written naively around
 ``inner.update``, that select makes XLA *copy* the state on every step: the
@@ -19,22 +30,32 @@ same operations run on the same values as in ``inner.update``; when it is
 false the updates are zeros and the state is the old one, bit for bit,
 whatever was computed in between.
 
-Measured on CPU (``benchmarks/``): no state copy, no extra buffer, and the
-parameter update stays fused into ``optax.apply_updates``. Optimizers whose
-updates read the *old* state (e.g. Lion's ``sign(b1 * mu + ...)``) keep
-that read, and XLA still copies those leaves: correct, only slower.
+Optimizers whose updates read the *old* state (e.g. Lion's
+``sign(b1 * mu + ...)``) keep that read, and XLA still copies those leaves:
+correct, only slower.
+
+The inner update may return a state whose structure differs from the one it
+was given, as long as each of its leaves has a counterpart at the same key
+path in the old state (optax's momentum drops the trace of a parameter whose
+gradient is ``None``). A skipped step then returns the old values in the new
+structure.
 """
 
 from __future__ import annotations
 
-import contextlib
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend import core as jex_core
+
+from lossscale import _compat
+
+Impl = Literal["select", "cond"]
+IMPLS: tuple[Impl, ...] = ("select", "cond")
+UpdateFn = Callable[[], tuple[Any, Any]]
 
 _NOT_STATE = object()
 
@@ -43,65 +64,112 @@ class UnsupportedJax(RuntimeError):
     """This JAX's internals differ from what :func:`select_update` uses."""
 
 
-def _where(finite: jax.Array, new: Any, old: Any) -> jax.Array:
-    new = jnp.asarray(new)  # a literal or a constant may be a NumPy value
-    if jnp.shape(old) != new.shape:
-        raise ValueError(
-            "the inner optimizer's update returned a state leaf of shape "
-            f"{new.shape} where its state had shape {jnp.shape(old)}; "
-            "lossscale needs update to return a state shaped like the one it "
-            "was given."
-        )
-    if jnp.result_type(old) != new.dtype:
-        old = lax.convert_element_type(old, new.dtype)
-    # lax.select, not jnp.where: one primitive per leaf keeps tracing cheap.
-    return lax.select(finite, new, old)
-
-
-def _aval_vma(aval: Any) -> frozenset:
-    """The mapped axes a value varies over under ``shard_map`` (else none)."""
-    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
-    if manual is not None:
-        return frozenset(manual.varying)
-    return frozenset(getattr(aval, "vma", ()))
-
-
-def _vma(x: Any) -> frozenset:
-    return _aval_vma(jax.typeof(x))
-
-
-def _bind(eqn: Any, invals: list[Any]) -> list[Any]:
-    """Evaluates one jaxpr equation, as ``jax.core.eval_jaxpr`` does."""
-    params = eqn.primitive.get_bind_params(eqn.params)
-    if isinstance(params, tuple):  # jax < 0.8 returned (subfuns, params)
-        subfuns, params = params
-        invals = [*subfuns, *invals]
-    ctx = getattr(eqn, "ctx", None)
-    with ctx.manager if ctx is not None else contextlib.nullcontext():
-        out = eqn.primitive.bind(*invals, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def select_update(
-    finite: jax.Array,
-    update: Callable[[], tuple[Any, Any]],
-    old_state: Any,
+def apply_if_finite(
+    finite: jax.Array, update: UpdateFn, old_state: Any, *, impl: Impl
 ) -> tuple[Any, Any]:
     """``update()`` if ``finite``, else zero updates and ``old_state``.
 
     Args:
-        finite: a boolean scalar.
+        finite: a boolean scalar, the same on every device.
+        update: a function of no arguments returning ``(updates, state)``.
+        old_state: the state ``update`` starts from.
+        impl: how to skip under tracing, ``"select"`` or ``"cond"``.
+
+    Returns:
+        ``(updates, state)``.
+    """
+    if not _compat.is_tracer(finite):
+        if bool(finite):
+            return update()
+        updates, new_state = jax.eval_shape(update)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), updates)
+        return zeros, _old_in_new_structure(old_state, new_state)
+    if impl == "select":
+        try:
+            return select_update(finite, update, old_state)
+        except UnsupportedJax as err:
+            warnings.warn(
+                "lossscale: the copy-free skip does not support this JAX "
+                f"version ({jax.__version__}; {err}); using a conditional "
+                "skip instead, which is correct but copies the updates. "
+                "Please report this.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    return cond_update(finite, update, old_state)
+
+
+def _old_in_new_structure(old_state: Any, new_state: Any) -> Any:
+    """``old_state``'s leaves, arranged in ``new_state``'s structure.
+
+    Each leaf of ``new_state`` takes the leaf of ``old_state`` at the same
+    key path, cast to the new leaf's dtype if they differ.
+    """
+    return jax.tree.unflatten(
+        jax.tree.structure(new_state),
+        _old_leaves_for(old_state, new_state),
+    )
+
+
+def _old_leaves_for(old_state: Any, new_state: Any) -> list[Any]:
+    new_def = jax.tree.structure(new_state)
+    old_leaves, old_def = jax.tree.flatten(old_state)
+    if old_def != new_def:
+        by_path = {
+            jax.tree_util.keystr(path): leaf
+            for path, leaf in jax.tree_util.tree_leaves_with_path(old_state)
+        }
+        old_leaves = []
+        for path, _ in jax.tree_util.tree_leaves_with_path(new_state):
+            key = jax.tree_util.keystr(path)
+            if key not in by_path:
+                raise ValueError(
+                    "the inner optimizer's update returned a state with a "
+                    f"leaf at {key} that the state it was given lacks (it "
+                    f"returned structure {new_def}, was given {old_def}); "
+                    "lossscale needs each new state leaf to have an old "
+                    "counterpart to keep on a skipped step."
+                )
+            old_leaves.append(by_path[key])
+    out = []
+    for old, new in zip(old_leaves, jax.tree.leaves(new_state), strict=True):
+        if jnp.shape(old) != tuple(new.shape):
+            raise ValueError(
+                "the inner optimizer's update returned a state leaf of shape "
+                f"{tuple(new.shape)} where its state had shape "
+                f"{jnp.shape(old)}; lossscale needs update to return a state "
+                "shaped like the one it was given."
+            )
+        if jnp.result_type(old) != new.dtype:
+            old = lax.convert_element_type(old, new.dtype)
+        out.append(old)
+    return out
+
+
+def _select(finite: jax.Array, new: Any, old: Any) -> jax.Array:
+    # lax.select, not jnp.where: one primitive per leaf keeps tracing cheap.
+    return lax.select(finite, jnp.asarray(new), old)
+
+
+def select_update(
+    finite: jax.Array, update: UpdateFn, old_state: Any
+) -> tuple[Any, Any]:
+    """``update()`` if ``finite``, else zero updates and ``old_state``.
+
+    Args:
+        finite: a boolean scalar, the same on every device.
         update: a function of no arguments returning ``(updates, state)``,
             typically a closure calling ``inner.update``. It is traced once.
         old_state: the state ``update`` starts from, returned unchanged
-            (bitwise) when ``finite`` is false. ``update`` must return a
-            state of the same structure and shapes.
+            (bitwise) when ``finite`` is false.
 
     Returns:
         ``(updates, state)``: those of ``update()`` where ``finite``;
         zeros of the updates' dtypes and ``old_state`` otherwise.
 
     Raises:
+        ValueError: if a leaf of the new state has no counterpart of the
+            same shape at its key path in ``old_state``.
         UnsupportedJax: if evaluating the traced update fails (the JAX
             internals this relies on changed); the caller falls back.
     """
@@ -109,32 +177,10 @@ def select_update(
         update, return_shape=True
     )()
     jaxpr = closed.jaxpr
-    old_leaves, old_def = jax.tree.flatten(old_state)
-    new_def = jax.tree.structure(state_shape)
-    if new_def != old_def:
-        raise ValueError(
-            "the inner optimizer's update returned a state of structure "
-            f"{new_def}, but was given one of structure {old_def}; lossscale "
-            "needs update to return a state structured like its input."
-        )
+    old_leaves = _old_leaves_for(old_state, state_shape)
     n_updates = len(jax.tree.leaves(updates_shape))
     update_atoms = jaxpr.outvars[:n_updates]
     state_atoms = jaxpr.outvars[n_updates:]
-    # Under shard_map a selected value varies over the mapped axes `finite`
-    # varies over. If the state is replicated over one of them, devices
-    # would disagree on whether to skip (and the substituted values would
-    # no longer type-check): an error, not a result.
-    widened = frozenset().union(
-        *(_vma(finite) - _aval_vma(atom.aval) for atom in state_atoms)
-    )
-    if widened:
-        raise ValueError(
-            "the gradients' finiteness differs across the mapped axes "
-            f"{sorted(widened)}, over which the optimizer state is "
-            "replicated: devices would disagree on skipping the step. Pass "
-            f"axis_name={tuple(sorted(widened))!r} (with any other data-"
-            "parallel axes) to loss_scaled so that they agree."
-        )
 
     # The old leaf each state variable falls back to. A variable returned
     # as two state leaves is substituted by its first one's selection; the
@@ -144,21 +190,21 @@ def select_update(
 
     def write(var: Any, value: Any) -> None:
         old = fallback.get(var, _NOT_STATE)
-        env[var] = value if old is _NOT_STATE else _where(finite, value, old)
+        env[var] = value if old is _NOT_STATE else _select(finite, value, old)
 
     def read(atom: Any) -> Any:
-        if isinstance(atom, jex_core.Literal):
-            return atom.val  # as eval_jaxpr does; no device_put per literal
+        if _compat.is_literal(atom):
+            return _compat.literal_value(atom)
         return env[atom]
 
     try:
         for atom, old in zip(state_atoms, old_leaves, strict=True):
-            if isinstance(atom, jex_core.Var):
+            if _compat.is_var(atom):
                 fallback.setdefault(atom, old)
         for var, const in zip(jaxpr.constvars, closed.consts, strict=True):
             write(var, const)
         for eqn in jaxpr.eqns:
-            outs = _bind(eqn, [read(atom) for atom in eqn.invars])
+            outs = _compat.bind_equation(eqn, [read(a) for a in eqn.invars])
             for var, out in zip(eqn.outvars, outs, strict=True):
                 write(var, out)
     except (AttributeError, TypeError, KeyError) as err:
@@ -173,9 +219,26 @@ def select_update(
     state = []
     for atom, old in zip(state_atoms, old_leaves, strict=True):
         value = read(atom)
-        already = isinstance(atom, jex_core.Var) and fallback[atom] is old
-        state.append(value if already else _where(finite, value, old))
+        done = _compat.is_var(atom) and fallback[atom] is old
+        state.append(value if done else _select(finite, value, old))
     return (
         jax.tree.unflatten(jax.tree.structure(updates_shape), updates),
-        jax.tree.unflatten(new_def, state),
+        jax.tree.unflatten(jax.tree.structure(state_shape), state),
     )
+
+
+def cond_update(
+    finite: jax.Array, update: UpdateFn, old_state: Any
+) -> tuple[Any, Any]:
+    """:func:`select_update`'s contract, with ``lax.cond``."""
+
+    def skip() -> tuple[Any, Any]:
+        # Zeros made by zeros_like from the updates themselves carry their
+        # varying mapped axes under shard_map, which fresh jnp.zeros would
+        # not; zeros_like has no data dependency, so XLA drops the update
+        # this branch traces.
+        updates, new_state = update()
+        zeros = jax.tree.map(jnp.zeros_like, updates)
+        return zeros, _old_in_new_structure(old_state, new_state)
+
+    return lax.cond(finite, update, skip)

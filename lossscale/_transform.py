@@ -1,28 +1,48 @@
-"""The optax wrapper: unscale, check, update or skip, adjust."""
+"""The optax wrapper: unscale, check, update or skip, adjust.
+
+``update`` is a sequence of named steps, each a function below:
+:func:`_plan` (which leaves belong to which loss scale), :func:`_unscale`,
+:func:`_decide` (the finiteness check, agreed across devices),
+:func:`lossscale._skip.apply_if_finite` (the inner update, or the skip),
+:func:`_adjust` (the next loss scales), :func:`_next_counters` and
+:func:`_min_scale_alarm`.
+
+Internally every state holds a dict of loss scales, one per group; a
+single scale (:func:`loss_scaled`) is the group ``_SINGLE``, converted at
+the boundary to and from the public ``LossScaledState.loss_scale``.
+"""
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Mapping
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
-from lossscale import _checks, _skip, _tree
+from lossscale import _checks, _compat, _finite, _skip, _tree
 from lossscale._scales import LossScale
 
-SkipImpl = Literal["auto", "select", "cond"]
+OnMinScale = Literal["ignore", "error"]
+Groups = dict[Hashable, LossScale]
+
+_SINGLE = "loss_scale"  # the one group of loss_scaled
 
 
 class LossScaledState(NamedTuple):
-    """State of :func:`loss_scaled`.
+    """State of :func:`loss_scaled` and :func:`loss_scaled_by_group`.
 
     Attributes:
         loss_scale: the loss-scale state (e.g. a :class:`DynamicLossScale`)
-            to use for the *next* step's ``scale``/``unscale``.
+            to use for the *next* step's ``scale``/``unscale``; with
+            :func:`loss_scaled_by_group`, a dict from group label to that
+            group's loss-scale state.
         inner_state: the wrapped optimizer's state. It is left exactly as it
             was on a skipped step.
         grads_finite: whether the last step's gradients were finite (and the
@@ -36,87 +56,71 @@ class LossScaledState(NamedTuple):
             applied updates. ``shape=(), dtype=int32``.
         last_skip_step: the 0-based index (in ``steps``) of the last skipped
             step, or -1 if none was. ``shape=(), dtype=int32``.
-
-    With :func:`loss_scaled_by_group`, ``loss_scale`` is a dict from group
-    label to that group's loss-scale state.
+        nonfinite: with ``report_nonfinite=True``, which leaves of the last
+            step's gradients held an inf or NaN, in tree order
+            (``shape=(number of leaves,), dtype=bool``; read it with
+            :func:`lossscale.nonfinite_paths`); else ``None``.
     """
 
-    loss_scale: LossScale | dict[Any, LossScale]
+    loss_scale: Any
     inner_state: optax.OptState
     grads_finite: jax.Array
     skipped_steps: jax.Array
     consecutive_skips: jax.Array
     steps: jax.Array
     last_skip_step: jax.Array
+    nonfinite: jax.Array | None = None
 
 
-def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
-    if not (
-        callable(getattr(inner, "init", None))
-        and callable(getattr(inner, "update", None))
-    ):
-        raise TypeError(
-            "inner must be an optax.GradientTransformation (with init and "
-            f"update), got inner={inner!r} of type {type(inner).__name__}."
-        )
-    if not isinstance(inner, optax.GradientTransformation):
-        inner = optax.GradientTransformation(inner.init, inner.update)
-    return optax.with_extra_args_support(inner)
+# How to skip under tracing. Private: tests and benchmarks compare the two
+# (`with _transform.skip_impl("cond"): tx = loss_scaled(...)`); the select
+# is the default everywhere, and the conditional is its fallback.
+_SKIP_IMPL: contextvars.ContextVar[_skip.Impl] = contextvars.ContextVar(
+    "lossscale_skip_impl", default="select"
+)
 
 
-def _check_loss_scale(loss_scale: Any, name: str = "loss_scale") -> LossScale:
-    if isinstance(loss_scale, type):
-        raise TypeError(
-            f"{name} must be a loss-scale instance, got the class "
-            f"{loss_scale.__name__}; did you mean {loss_scale.__name__}()?"
-        )
-    if not isinstance(loss_scale, LossScale):
-        raise TypeError(
-            f"{name} must implement the lossscale.LossScale protocol "
-            "(loss_scale, scale, unscale, adjust), e.g. "
-            f"lossscale.DynamicLossScale(), got {name}={loss_scale!r} of "
-            f"type {type(loss_scale).__name__}."
-        )
-    return loss_scale
+@contextlib.contextmanager
+def skip_impl(impl: _skip.Impl) -> Iterator[None]:
+    """Transformations built in this context skip with ``impl``."""
+    if impl not in _skip.IMPLS:
+        raise ValueError(f"impl must be one of {_skip.IMPLS}, got {impl!r}.")
+    token = _SKIP_IMPL.set(impl)
+    try:
+        yield
+    finally:
+        _SKIP_IMPL.reset(token)
 
 
-def _resolve_skip_impl(skip_impl: SkipImpl) -> Literal["select", "cond"]:
-    # "auto" is the branch-free select on every backend: no host round-trip
-    # for the predicate (a conditional needs one on GPU), and, written as in
-    # _skip.select_update, no copy of the state and no extra buffer. The
-    # conditional materialises the updates (they leave it as a buffer instead
-    # of fusing into optax.apply_updates); it stays for measurements and
-    # as the fallback when _skip cannot evaluate this JAX's jaxprs.
-    return "select" if skip_impl == "auto" else skip_impl
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """The validated static configuration of one transformation."""
 
+    inner: optax.GradientTransformationExtraArgs
+    initial: Groups
+    param_labels: Any  # None (one group), a label tree, or a callable
+    floors: dict[Hashable, float | None]
+    axis_name: Hashable | tuple[Hashable, ...] | None
+    mask: _tree.MaskOrFn
+    on_min_scale: OnMinScale
+    min_scale_patience: int
+    report_nonfinite: bool
+    skip_impl: _skip.Impl
 
-def _zeros_like_updates(grads: Any, out: Any) -> Any:
-    """Zeros shaped like the inner updates ``out``, built from ``grads``.
-
-    Zeros made with ``zeros_like(grad)`` inherit the gradient's varying
-    mapped axes under ``shard_map``, which fresh ``jnp.zeros`` would not, so
-    both branches of the conditional have the same type. Returns ``None``
-    when the updates do not mirror the gradients leaf for leaf.
-    """
-    if jax.tree.structure(grads) != jax.tree.structure(out):
-        return None
-    pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(out), strict=True)
-    if any(jnp.shape(g) != o.shape for g, o in pairs):
-        return None
-    return jax.tree.map(
-        lambda g, o: jnp.zeros_like(g, dtype=o.dtype), grads, out
-    )
+    @property
+    def grouped(self) -> bool:
+        return self.param_labels is not None
 
 
 def loss_scaled(
     inner: optax.GradientTransformation,
     loss_scale: LossScale,
     *,
-    axis_name: Any = None,
-    mask: Any = None,
-    on_min_scale: Literal["ignore", "error"] = "ignore",
+    axis_name: Hashable | tuple[Hashable, ...] | None = None,
+    mask: _tree.MaskOrFn = None,
+    on_min_scale: OnMinScale = "ignore",
     min_scale_patience: int = 10,
-    _skip_impl: SkipImpl = "auto",
+    report_nonfinite: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optimizer so that it takes scaled gradients.
 
@@ -127,12 +131,14 @@ def loss_scaled(
     2. checks them for finiteness, agreed over ``axis_name`` when given;
     3. runs ``inner.update`` on the *unscaled* gradients, so clipping and
        every other transformation inside ``inner`` sees true gradients;
+       ``params`` and ``extra_args`` are passed on as given;
     4. if any gradient was inf or NaN, returns zero updates (so
        ``optax.apply_updates`` leaves the parameters bit-for-bit unchanged)
        and keeps ``inner``'s state exactly as it was: its step count,
-       moments and schedules do not advance. The skip is a branch-free
-       select on the device (no host round-trip) that copies no state:
-       see ``lossscale/_skip.py``;
+       moments and schedules do not advance. Under ``jit`` the skip is a
+       branch-free select on the device (no host round-trip) that copies
+       no state (see ``lossscale/_skip.py``); called eagerly, it is a
+       Python branch, and a skipped step never runs ``inner.update``;
     5. adjusts the loss scale (e.g. backs off a :class:`DynamicLossScale`).
 
     Read the scale for the next forward pass with
@@ -144,11 +150,16 @@ def loss_scaled(
             :class:`StaticLossScale`, :class:`DynamicLossScale` or any object
             implementing :class:`LossScale`.
         axis_name: ``None``, or the name (or tuple of names) of the mapped
-            axes (``pmap``/``shard_map``) over which replicas must agree on
-            skipping. Only the finiteness flag is all-reduced. Not needed
-            under plain ``jax.jit`` with globally sharded gradients.
+            axes (``shard_map``/``pmap``) over which replicas must agree on
+            skipping: every mapped axis over which the gradients (or the
+            shards of them a device holds) differ. Only the finiteness flag
+            is all-reduced. Not needed under plain ``jax.jit``, whatever
+            the sharding. Under ``shard_map`` a missing axis is an error at
+            trace time; with ``check_vma=False`` (and under ``jax.pmap`` on
+            JAX versions that build it on ``shard_map``) every mapped axis
+            must be named, as JAX cannot tell which values differ.
         mask: ``None`` (every floating leaf is loss-scaled), a pytree of
-            bools with the structure of the parameters (or a prefix of it),
+            bools with the structure of the gradients (or a prefix of it),
             or a callable returning one, as in ``optax.masked``. Leaves
             marked ``False`` are neither unscaled nor checked (e.g. float8
             scale/amax metadata, frozen leaves); they reach ``inner``
@@ -156,14 +167,22 @@ def loss_scaled(
             and on the parameters in ``init``.
         on_min_scale: ``"ignore"`` (the default: keep skipping; watch
             ``at_min_scale`` and ``consecutive_skips`` in :func:`metrics`)
-            or ``"error"``: raise a ``FloatingPointError`` from the host
-            (through ``jax.debug.callback``, called only when it fires)
-            once ``min_scale_patience`` consecutive steps were skipped with
-            the loss scale at its minimum, where lowering it no longer
-            helps. JAX may surface it wrapped in its own runtime error.
+            or ``"error"``: raise a ``FloatingPointError`` once
+            ``min_scale_patience`` consecutive steps were skipped with the
+            loss scale at its minimum, where lowering it no longer helps. A
+            :class:`StaticLossScale` or :class:`NoOpLossScale` is always at
+            its minimum; a policy of your own must report ``at_min_scale``
+            in its ``metrics()``. Under ``jit`` the error comes from the
+            host through ``jax.debug.callback`` (called only when it
+            fires), and JAX may wrap it in its own runtime error.
         min_scale_patience: the number of consecutive skipped steps at the
             minimum scale before ``on_min_scale="error"`` raises; a
             positive int.
+        report_nonfinite: record in the state which gradient leaves held an
+            inf or NaN in the last step (agreed over ``axis_name``), for
+            :func:`lossscale.nonfinite_paths` and the ``nonfinite_leaves``
+            metric. Default ``False``: the state and the compiled program
+            are then exactly those without the option.
 
     Returns:
         A :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -174,11 +193,14 @@ def loss_scaled(
             ``loss_scale`` does not implement the protocol, or ``axis_name``
             or ``mask`` is malformed.
         ValueError: if ``on_min_scale`` is not ``"ignore"`` or ``"error"``,
-            or ``min_scale_patience`` is not in ``[1, 2**31 - 1]`` (a
-            ``TypeError`` if it is not an int); and in ``update`` under
-            ``shard_map``, if the gradients' finiteness varies over a mapped
-            axis that some of ``inner``'s state is replicated over
-            (``axis_name`` does not name it).
+            ``on_min_scale="error"`` is given a policy that does not report
+            ``at_min_scale``, or ``min_scale_patience`` is not in
+            ``[1, 2**31 - 1]`` (a ``TypeError`` if it is not an int); and
+            in ``update``, at trace time: if float16 (or float8) gradients
+            meet a loss scale that may go below 1 (unscaling them could
+            overflow), or under ``shard_map`` if the devices could disagree
+            on skipping (``axis_name`` does not name a mapped axis over
+            which the gradients differ).
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax
@@ -198,28 +220,29 @@ def loss_scaled(
         Micikevicius et al., `Mixed Precision Training
         <https://arxiv.org/abs/1710.03740>`_, 2017.
     """
-    return _make(
+    spec = _make_spec(
         inner,
-        _check_loss_scale(loss_scale),
+        {_SINGLE: _check_loss_scale(loss_scale, "loss_scale")},
         None,
         axis_name=axis_name,
         mask=mask,
         on_min_scale=on_min_scale,
         min_scale_patience=min_scale_patience,
-        skip_impl=_skip_impl,
+        report_nonfinite=report_nonfinite,
     )
+    return _transformation(spec)
 
 
 def loss_scaled_by_group(
     inner: optax.GradientTransformation,
-    loss_scales: Mapping[Any, LossScale],
+    loss_scales: Mapping[Hashable, LossScale],
     param_labels: Any,
     *,
-    axis_name: Any = None,
-    mask: Any = None,
-    on_min_scale: Literal["ignore", "error"] = "ignore",
+    axis_name: Hashable | tuple[Hashable, ...] | None = None,
+    mask: _tree.MaskOrFn = None,
+    on_min_scale: OnMinScale = "ignore",
     min_scale_patience: int = 10,
-    _skip_impl: SkipImpl = "auto",
+    report_nonfinite: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Like :func:`loss_scaled`, with an independent loss scale per group.
 
@@ -238,7 +261,7 @@ def loss_scaled_by_group(
         loss_scales: a dict from group label to that group's initial loss
             scale (any :class:`LossScale`).
         param_labels: a pytree of labels with the structure of the
-            parameters (or a prefix of it), or a callable returning one, as
+            gradients (or a prefix of it), or a callable returning one, as
             in ``optax.multi_transform``. Every label must be a key of
             ``loss_scales``.
         axis_name: as in :func:`loss_scaled`; one all-reduce carries every
@@ -247,6 +270,7 @@ def loss_scaled_by_group(
         on_min_scale: as in :func:`loss_scaled`; any group at its minimum
             counts.
         min_scale_patience: as in :func:`loss_scaled`.
+        report_nonfinite: as in :func:`loss_scaled`.
 
     Returns:
         A :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -254,6 +278,12 @@ def loss_scaled_by_group(
         :func:`get_loss_scale` returns that dict and :func:`metrics` reports
         ``"loss_scale/<label>"`` (and every other per-scale metric) for
         each group.
+
+    Raises:
+        TypeError: as in :func:`loss_scaled`, and if ``loss_scales`` is not
+            a non-empty dict or ``param_labels`` is ``None``.
+        ValueError: as in :func:`loss_scaled`, and if ``param_labels`` uses
+            a label that is not a key of ``loss_scales``.
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax
@@ -289,7 +319,7 @@ def loss_scaled_by_group(
             "param_labels must be a pytree of group labels or a callable "
             "returning one, got None."
         )
-    return _make(
+    spec = _make_spec(
         inner,
         groups,
         param_labels,
@@ -297,100 +327,139 @@ def loss_scaled_by_group(
         mask=mask,
         on_min_scale=on_min_scale,
         min_scale_patience=min_scale_patience,
-        skip_impl=_skip_impl,
+        report_nonfinite=report_nonfinite,
     )
+    return _transformation(spec)
 
 
-def _check_on_min_scale(value: Any) -> str:
-    if value not in ("ignore", "error"):
-        raise ValueError(
-            'on_min_scale must be "ignore" or "error", got '
-            f"on_min_scale={value!r}."
+# --- validation of the static configuration ------------------------------
+
+
+def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
+    if not (
+        callable(getattr(inner, "init", None))
+        and callable(getattr(inner, "update", None))
+    ):
+        raise TypeError(
+            "inner must be an optax.GradientTransformation (with init and "
+            f"update), got inner={inner!r} of type {type(inner).__name__}."
         )
-    return value
+    if not isinstance(inner, optax.GradientTransformation):
+        inner = optax.GradientTransformation(inner.init, inner.update)
+    return optax.with_extra_args_support(inner)
 
 
-def _check_skip_impl(value: Any) -> SkipImpl:
-    if value not in ("auto", "select", "cond"):
-        raise ValueError(f"unknown _skip_impl={value!r}.")
-    return value
-
-
-_SINGLE = 0  # the one group's label when there are no groups
-
-
-def _resolve_labels(param_labels: Any, groups: dict, tree: Any) -> Any:
-    """A tree of group labels with the structure of ``tree``."""
-    if param_labels is None:
-        return jax.tree.map(lambda _: _SINGLE, tree)
-    labels = param_labels(tree) if callable(param_labels) else param_labels
-    full = _tree.broadcast_prefix(labels, tree, "param_labels")
-    unknown = {lab for lab in jax.tree.leaves(full) if lab not in groups}
-    if unknown:
-        raise ValueError(
-            f"param_labels uses labels {sorted(map(repr, unknown))} that are "
-            f"not keys of loss_scales {sorted(map(repr, groups))}."
+def _check_loss_scale(loss_scale: Any, name: str) -> LossScale:
+    if isinstance(loss_scale, type):
+        raise TypeError(
+            f"{name} must be a loss-scale instance, got the class "
+            f"{loss_scale.__name__}; did you mean {loss_scale.__name__}()?"
         )
-    return full
-
-
-def _at_min_scale(scale_state: Any) -> jax.Array:
-    metrics = getattr(scale_state, "metrics", None)
-    at_min = metrics().get("at_min_scale") if callable(metrics) else None
-    return jnp.zeros((), jnp.bool_) if at_min is None else at_min
-
-
-def _raise_stuck_at_min(stuck, skips, scales) -> None:
-    if stuck:
-        raise FloatingPointError(
-            f"lossscale: {int(skips)} consecutive steps had non-finite "
-            "gradients with the loss scale at its minimum "
-            f"({', '.join(f'{float(s):g}' for s in scales)}). Lowering the "
-            "scale no longer helps: the loss or the gradients themselves "
-            "are inf or NaN. Check the inputs and labels for NaN/inf, the "
-            "learning rate and any division or log in the loss; or lower "
-            "min_loss_scale if the gradients are genuinely that large."
+    if not isinstance(loss_scale, LossScale):
+        raise TypeError(
+            f"{name} must implement the lossscale.LossScale protocol "
+            "(loss_scale, scale, unscale, adjust), e.g. "
+            f"lossscale.DynamicLossScale(), got {name}={loss_scale!r} of "
+            f"type {type(loss_scale).__name__}."
         )
+    return loss_scale
 
 
-def _make(
+def _metrics_of(scale: Any) -> dict[str, jax.Array]:
+    metrics = getattr(scale, "metrics", None)
+    return dict(metrics()) if callable(metrics) else {}
+
+
+def _floor(scale: Any) -> float | None:
+    """The lowest value ``scale`` can take, where that is known statically.
+
+    A :class:`DynamicLossScale` (or any policy with a ``min_loss_scale``)
+    never goes below that; a scale at its minimum from the start (a
+    :class:`StaticLossScale`, whose ``at_min_scale`` is always true) stays
+    at its value. Unknown (``None``) otherwise.
+    """
+    floor = getattr(scale, "min_loss_scale", None)
+    if floor is not None:
+        return float(floor)
+    at_min = _metrics_of(scale).get("at_min_scale")
+    value = scale.loss_scale
+    if at_min is None or not (
+        _checks.is_concrete(at_min) and _checks.is_concrete(value)
+    ):
+        return None
+    return float(np.asarray(value)) if bool(at_min) else None
+
+
+def _make_spec(
     inner: Any,
-    loss_scale: LossScale | dict[Any, LossScale],
+    groups: Groups,
     param_labels: Any,
     *,
     axis_name: Any,
     mask: Any,
     on_min_scale: Any,
     min_scale_patience: Any,
-    skip_impl: Any,
-) -> optax.GradientTransformationExtraArgs:
-    """The transformation behind both factories; validates the options."""
-    inner = _check_inner(inner)
-    axis_name = _checks.axis_name(axis_name)
-    mask = _tree.check_mask(mask)
-    on_min_scale = _check_on_min_scale(on_min_scale)
-    min_scale_patience = _checks.positive_int(
-        "min_scale_patience", min_scale_patience
+    report_nonfinite: Any,
+) -> _Spec:
+    if on_min_scale not in ("ignore", "error"):
+        raise ValueError(
+            'on_min_scale must be "ignore" or "error", got '
+            f"on_min_scale={on_min_scale!r}."
+        )
+    if on_min_scale == "error":
+        for label, scale in groups.items():
+            if "at_min_scale" not in _metrics_of(scale):
+                where = "loss_scale" if label == _SINGLE else label
+                raise ValueError(
+                    'on_min_scale="error" needs to know when the scale is at '
+                    f"its minimum, but {where}={scale!r} has no "
+                    "'at_min_scale' in its metrics(). Add it to your "
+                    'policy\'s metrics(), or use on_min_scale="ignore" and '
+                    "watch consecutive_skips in lossscale.metrics."
+                )
+    if not isinstance(report_nonfinite, bool | np.bool_):
+        raise TypeError(
+            "report_nonfinite must be a bool, got "
+            f"report_nonfinite={report_nonfinite!r}."
+        )
+    return _Spec(
+        inner=_check_inner(inner),
+        initial=groups,
+        param_labels=param_labels,
+        floors={label: _floor(scale) for label, scale in groups.items()},
+        axis_name=_checks.axis_name(axis_name),
+        mask=_tree.check_mask(mask),
+        on_min_scale=on_min_scale,
+        min_scale_patience=_checks.positive_int(
+            "min_scale_patience", min_scale_patience
+        ),
+        report_nonfinite=bool(report_nonfinite),
+        skip_impl=_SKIP_IMPL.get(),
     )
-    skip_impl = _check_skip_impl(skip_impl)
-    grouped = param_labels is not None
 
-    def as_groups(scale_state):
-        return scale_state if grouped else {_SINGLE: scale_state}
 
+# --- init and update ----------------------------------------------------
+
+
+def _transformation(spec: _Spec) -> optax.GradientTransformationExtraArgs:
     def init_fn(params: optax.Params) -> LossScaledState:
-        if mask is not None:
-            _tree.resolve_mask(mask, params)
-        if grouped:
-            _resolve_labels(param_labels, loss_scale, params)
+        leaves = None
+        if spec.mask is not None:
+            _tree.resolve_mask(spec.mask, params)
+        if spec.grouped:
+            _labels(spec, spec.initial, params)
+        if spec.report_nonfinite:
+            n = sum(map(_tree.is_float, jax.tree.leaves(params)))
+            leaves = jnp.zeros((n,), jnp.bool_)
         return LossScaledState(
-            loss_scale=loss_scale,
-            inner_state=inner.init(params),
+            loss_scale=_public(spec, spec.initial),
+            inner_state=spec.inner.init(params),
             grads_finite=jnp.ones((), jnp.bool_),
             skipped_steps=jnp.zeros((), jnp.int32),
             consecutive_skips=jnp.zeros((), jnp.int32),
             steps=jnp.zeros((), jnp.int32),
             last_skip_step=jnp.full((), -1, jnp.int32),
+            nonfinite=leaves,
         )
 
     def update_fn(
@@ -404,139 +473,246 @@ def _make(
                 "state must be the LossScaledState returned by this "
                 f"transformation's init, got {type(state).__name__}."
             )
-        if params is not None and (
-            jax.tree.structure(params) != jax.tree.structure(updates)
-        ):
-            raise ValueError(
-                "updates and params must have the same tree structure, got "
-                f"{jax.tree.structure(updates)} and "
-                f"{jax.tree.structure(params)}."
-            )
-        groups = as_groups(state.loss_scale)
-        labels = _resolve_labels(param_labels, groups, updates)
-        mask_tree = _tree.resolve_mask(mask, updates)
-
-        flat_grads, treedef = jax.tree.flatten(updates)
-        flat_labels = jax.tree.leaves(labels)
-        flat_mask = jax.tree.leaves(mask_tree)
-        members = {key: [] for key in groups}
-        for i, (lab, m) in enumerate(zip(flat_labels, flat_mask, strict=True)):
-            if m:
-                members[lab].append(i)
-
-        def unscaled():
-            # One unscale per group (one reciprocal of its scale), called
-            # where the result is used: XLA fuses the multiply into the
-            # finiteness check and into the inner update (inside the
-            # conditional with _skip_impl="cond") instead of materialising
-            # an unscaled copy of the gradients.
-            out = list(flat_grads)
-            for key, idx in members.items():
-                if idx:
-                    new = groups[key].unscale([flat_grads[i] for i in idx])
-                    for i, g in zip(idx, new, strict=True):
-                        out[i] = g
-            return out
-
-        checked = unscaled()
-        order = list(groups)
-        group_finite = _tree.finite_by_group(
-            [[checked[i] for i in members[key]] for key in order],
-            axis_name=axis_name,
-        )
+        groups = _groups(spec, state.loss_scale)
+        plan = _plan(spec, groups, updates)
+        if spec.report_nonfinite:
+            _check_report_size(state, plan)
+        unscaled = _unscale(plan, groups)
+        group_finite, nonfinite = _decide(spec, plan, unscaled)
         finite = jnp.all(group_finite)
-
-        def apply():
-            try:
-                return inner.update(
-                    jax.tree.unflatten(treedef, unscaled()),
-                    state.inner_state,
-                    params,
-                    **extra_args,
-                )
-            except (ValueError, TypeError) as err:
-                err.add_note(
-                    "lossscale.loss_scaled: the inner optimizer's update "
-                    "failed. Do the gradients have the structure of the "
-                    "params given to init, and does the state come from "
-                    "this optimizer's init?"
-                )
-                raise
-
-        new_updates, new_inner = _apply_or_skip(
-            finite, apply, updates, state.inner_state, skip_impl
+        new_updates, new_inner = _skip.apply_if_finite(
+            finite,
+            lambda: _inner_update(
+                spec,
+                plan.treedef.unflatten(unscaled),
+                state,
+                params,
+                extra_args,
+            ),
+            state.inner_state,
+            impl=spec.skip_impl,
         )
-        new_groups = {
-            key: groups[key].adjust(group_finite[i])
-            for i, key in enumerate(order)
-        }
-        not_finite = jnp.logical_not(finite)
-        consecutive = jnp.where(
-            not_finite, optax.safe_increment(state.consecutive_skips), 0
-        ).astype(jnp.int32)
-        if on_min_scale == "error":
-            at_min = jnp.any(
-                jnp.stack([_at_min_scale(ls) for ls in new_groups.values()])
+        new_groups = _adjust(groups, group_finite)
+        counters = _next_counters(state, finite)
+        if spec.on_min_scale == "error":
+            _min_scale_alarm(
+                new_groups, counters.consecutive_skips, spec.min_scale_patience
             )
-            stuck = at_min & (consecutive >= min_scale_patience)
-            scales = jnp.stack(
-                [jnp.asarray(ls.loss_scale) for ls in new_groups.values()]
-            )
-            lax.cond(
-                stuck,
-                lambda: jax.debug.callback(
-                    _raise_stuck_at_min, stuck, consecutive, scales
-                ),
-                lambda: None,
-            )
-        new_state = LossScaledState(
-            loss_scale=new_groups if grouped else new_groups[_SINGLE],
+        return new_updates, counters._replace(
+            loss_scale=_public(spec, new_groups),
             inner_state=new_inner,
-            grads_finite=finite,
-            skipped_steps=jnp.where(
-                not_finite,
-                optax.safe_increment(state.skipped_steps),
-                state.skipped_steps,
-            ).astype(jnp.int32),
-            consecutive_skips=consecutive,
-            steps=optax.safe_increment(state.steps).astype(jnp.int32),
-            last_skip_step=jnp.where(
-                not_finite, state.steps, state.last_skip_step
-            ).astype(jnp.int32),
+            nonfinite=nonfinite,
         )
-        return new_updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _apply_or_skip(finite, apply, grads, old_inner, skip_impl):
-    """The inner update if ``finite``, else zero updates and the old state."""
-    if _resolve_skip_impl(skip_impl) == "select":
-        try:
-            return _skip.select_update(finite, apply, old_inner)
-        except _skip.UnsupportedJax as err:
-            warnings.warn(
-                "lossscale: the copy-free skip does not support this JAX "
-                f"version ({jax.__version__}; {err}); using a conditional "
-                "skip instead, which is correct but copies the updates. "
-                "Please report this.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+def _groups(spec: _Spec, loss_scale: Any) -> Groups:
+    """The state's loss scale(s) as a dict of groups."""
+    if spec.grouped:
+        return dict(loss_scale)
+    return {_SINGLE: loss_scale}
 
-    def skip():
-        out_updates, out_inner = jax.eval_shape(apply)
-        zeros = _zeros_like_updates(grads, out_updates)
-        if zeros is None:
-            # Rare: the updates differ from the gradients in structure or
-            # shape. Trace the update for its exact output types (zeros_like
-            # has no data dependency, so XLA drops the dead computation).
-            zeros = jax.tree.map(jnp.zeros_like, apply()[0])
-        old = jax.tree.map(
-            lambda o, n: lax.convert_element_type(o, n.dtype),
-            old_inner,
-            out_inner,
+
+def _public(spec: _Spec, groups: Groups) -> Any:
+    """The dict of groups as ``LossScaledState.loss_scale`` holds it."""
+    return dict(groups) if spec.grouped else groups[_SINGLE]
+
+
+def _labels(spec: _Spec, groups: Groups, tree: Any) -> Any:
+    """A tree of group labels with the structure of ``tree``."""
+    if not spec.grouped:
+        return jax.tree.map(lambda _: _SINGLE, tree)
+    labels = spec.param_labels
+    labels = labels(tree) if callable(labels) else labels
+    full = _tree.broadcast_prefix(labels, tree, "param_labels")
+    unknown = {label for label in jax.tree.leaves(full) if label not in groups}
+    if unknown:
+        raise ValueError(
+            f"param_labels uses labels {sorted(map(repr, unknown))} that are "
+            f"not keys of loss_scales {sorted(map(repr, groups))}."
         )
-        return zeros, old
+    return full
 
-    return lax.cond(finite, apply, skip)
+
+class _Plan(NamedTuple):
+    """Which gradient leaves each loss scale unscales and checks."""
+
+    leaves: list[Any]  # the gradients, flattened
+    treedef: Any
+    paths: list[str]
+    floats: list[int]  # indices of the floating leaves
+    members: dict[Hashable, list[int]]  # group -> its unmasked floats
+
+
+def _plan(spec: _Spec, groups: Groups, grads: Any) -> _Plan:
+    """Assigns each floating, unmasked gradient leaf to its group.
+
+    Also refuses, at trace time, float16 (or float8) gradients under a
+    scale that may go below 1: unscaling a finite gradient would then
+    overflow, and backing off would make it worse, so every step would be
+    skipped.
+    """
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
+    leaves = [leaf for _, leaf in with_paths]
+    paths = [jax.tree_util.keystr(path) for path, _ in with_paths]
+    labels = jax.tree.leaves(_labels(spec, groups, grads))
+    mask = jax.tree.leaves(_tree.resolve_mask(spec.mask, grads))
+    floats = [i for i, leaf in enumerate(leaves) if _tree.is_float(leaf)]
+    members: dict[Hashable, list[int]] = {label: [] for label in groups}
+    for i in floats:
+        if mask[i]:
+            members[labels[i]].append(i)
+    for label, idx in members.items():
+        floor = spec.floors[label]
+        if floor is None or floor >= 1:
+            continue
+        for i in idx:
+            dtype = jnp.result_type(leaves[i])
+            if _tree.narrower_range_than_float32(dtype):
+                where = "loss_scale" if label == _SINGLE else repr(label)
+                raise ValueError(
+                    f"the gradient at {paths[i] or '<root>'} is {dtype}, and "
+                    f"the loss scale {where} can go down to {floor!r} < 1: a "
+                    f"finite {dtype} gradient divided by it can overflow "
+                    "{dtype}, and backing off would only make that worse. "
+                    "Keep the scale >= 1 for such gradients (min_loss_scale="
+                    "1.0, the default), or compute gradients in float32 "
+                    "(float32 master weights)."
+                )
+    return _Plan(leaves, treedef, paths, floats, members)
+
+
+def _unscale(plan: _Plan, groups: Groups) -> list[Any]:
+    """The gradient leaves with each group's unscaled; others unchanged.
+
+    One reciprocal per group. Computed once: the check and the inner
+    update read the same values, and XLA fuses the multiply into both.
+    """
+    out = list(plan.leaves)
+    for label, idx in plan.members.items():
+        if idx:
+            new = groups[label].unscale([plan.leaves[i] for i in idx])
+            for i, leaf in zip(idx, new, strict=True):
+                out[i] = leaf
+    return out
+
+
+def _decide(
+    spec: _Spec, plan: _Plan, unscaled: list[Any]
+) -> tuple[jax.Array, jax.Array | None]:
+    """Per-group finiteness (and, if reporting, per-leaf non-finiteness)."""
+    order = list(plan.members)
+    group_finite, bad = _finite.check(
+        [[jnp.asarray(unscaled[i]) for i in plan.members[k]] for k in order],
+        axis_name=spec.axis_name,
+        per_leaf=spec.report_nonfinite,
+    )
+    if bad is None:
+        return group_finite, None
+    # One flag per floating gradient leaf, in tree order; masked leaves are
+    # not checked and read False.
+    position = {i: j for j, i in enumerate(plan.floats)}
+    checked = [position[i] for k in order for i in plan.members[k]]
+    nonfinite = jnp.zeros((len(plan.floats),), jnp.bool_)
+    if checked:
+        nonfinite = nonfinite.at[np.asarray(checked)].set(bad)
+    return group_finite, nonfinite
+
+
+def _check_report_size(state: LossScaledState, plan: _Plan) -> None:
+    size = None if state.nonfinite is None else jnp.shape(state.nonfinite)
+    if size != (len(plan.floats),):
+        raise ValueError(
+            "report_nonfinite=True records one flag per floating gradient "
+            f"leaf: the gradients have {len(plan.floats)}, but the state has "
+            f"room for {size} (from the params given to init). Give init "
+            "params with the gradients' floating leaves."
+        )
+
+
+def _inner_update(
+    spec: _Spec,
+    grads: Any,
+    state: LossScaledState,
+    params: Any,
+    extra_args: dict[str, Any],
+) -> tuple[Any, Any]:
+    try:
+        return spec.inner.update(grads, state.inner_state, params, **extra_args)
+    except (ValueError, TypeError) as err:
+        err.add_note(
+            "lossscale.loss_scaled: the inner optimizer's update failed. Do "
+            "the gradients have the structure of the params given to init, "
+            "and does the state come from this optimizer's init?"
+        )
+        raise
+
+
+def _adjust(groups: Groups, group_finite: jax.Array) -> Groups:
+    """Each group's next loss scale, from its own finiteness."""
+    return {
+        label: scale.adjust(group_finite[i])
+        for i, (label, scale) in enumerate(groups.items())
+    }
+
+
+def _next_counters(
+    state: LossScaledState, finite: jax.Array
+) -> LossScaledState:
+    """The wrapper's own counters after a step (finite or skipped)."""
+    skipped = jnp.logical_not(finite)
+    return state._replace(
+        grads_finite=jnp.asarray(finite, jnp.bool_),
+        skipped_steps=jnp.where(
+            skipped,
+            optax.safe_increment(state.skipped_steps),
+            state.skipped_steps,
+        ).astype(jnp.int32),
+        consecutive_skips=jnp.where(
+            skipped, optax.safe_increment(state.consecutive_skips), 0
+        ).astype(jnp.int32),
+        steps=optax.safe_increment(state.steps).astype(jnp.int32),
+        last_skip_step=jnp.where(
+            skipped, state.steps, state.last_skip_step
+        ).astype(jnp.int32),
+    )
+
+
+def _min_scale_alarm(
+    groups: Groups, consecutive_skips: jax.Array, patience: int
+) -> None:
+    """Raises once ``patience`` skips in a row happened at the minimum."""
+    at_min = jnp.any(
+        jnp.stack(
+            [
+                jnp.asarray(_metrics_of(s)["at_min_scale"])
+                for s in groups.values()
+            ]
+        )
+    )
+    stuck = at_min & (consecutive_skips >= patience)
+    scales = jnp.stack([jnp.asarray(s.loss_scale) for s in groups.values()])
+    if not _compat.is_tracer(stuck):
+        _raise_stuck_at_min(stuck, consecutive_skips, scales)
+        return
+    lax.cond(
+        stuck,
+        lambda: jax.debug.callback(
+            _raise_stuck_at_min, stuck, consecutive_skips, scales
+        ),
+        lambda: None,
+    )
+
+
+def _raise_stuck_at_min(stuck: Any, skips: Any, scales: Sequence[Any]) -> None:
+    if stuck:
+        raise FloatingPointError(
+            f"lossscale: {int(skips)} consecutive steps had non-finite "
+            "gradients with the loss scale at its minimum "
+            f"({', '.join(f'{float(s):g}' for s in scales)}). Lowering the "
+            "scale no longer helps: the loss or the gradients themselves "
+            "are inf or NaN. Check the inputs and labels for NaN/inf, the "
+            "learning rate and any division or log in the loss; or lower "
+            "min_loss_scale if the gradients are genuinely that large."
+        )

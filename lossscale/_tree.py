@@ -1,8 +1,7 @@
-"""Tree utilities: the finiteness check, a checked select, leaf masks."""
+"""Tree utilities: dtype rules, a checked select, leaf masks."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +42,18 @@ def compute_dtype(dtype: Any) -> np.dtype:
     return dtype
 
 
+def narrower_range_than_float32(dtype: Any) -> bool:
+    """Whether a real floating dtype overflows below float32's maximum.
+
+    float16 (max 65504) and the float8 types do; bfloat16 has float32's
+    range.
+    """
+    dtype = np.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return False
+    return float(jnp.finfo(dtype).max) < float(jnp.finfo(jnp.float32).max)
+
+
 def multiply_keep_dtype(x: Any, factor: jax.Array) -> Any:
     """``x * factor`` computed in :func:`compute_dtype`, cast back to x's.
 
@@ -53,123 +64,6 @@ def multiply_keep_dtype(x: Any, factor: jax.Array) -> Any:
     x = jnp.asarray(x)
     dtype = compute_dtype(x.dtype)
     return (x.astype(dtype) * jnp.asarray(factor).astype(dtype)).astype(x.dtype)
-
-
-# On CPU XLA splits a reduction over a whole leaf into a windowed
-# pre-reduction whose input it materialises: the check would write a
-# gradient-sized temporary (a byte per element) and read it back. Reducing
-# blocks of _BLOCK elements first fuses the ``isfinite`` into the reduction
-# and writes 1/_BLOCK of a byte per element instead: rows of 16 for a vector
-# (16 measured fastest on x86), 16 x 16 tiles of the last two axes for
-# anything wider. Tiles read whole cache lines whichever of the two axes is
-# minor in memory: XLA often lays a matmul's weight gradient out transposed,
-# and logical rows of it are read with a stride (measured: 2 ms per 4 MB,
-# 30% of a small float16 train step).
-_BLOCK = 16
-# Leaves of at most _SMALL elements are reduced together, _CHUNK at a time
-# (XLA fuses a concatenation of 8 with the isfinite, not one of 16).
-_SMALL = 1024
-_CHUNK = 8
-
-
-def _flags_finite(ok: jax.Array) -> jax.Array:
-    """``jnp.all`` of a boolean array, by blocks first; see _BLOCK."""
-    if ok.size <= _SMALL:
-        return jnp.all(ok)
-    if ok.ndim >= 2 and min(ok.shape[-2:]) >= _BLOCK:
-        *lead, a, b = ok.shape
-        a_in, b_in = a // _BLOCK * _BLOCK, b // _BLOCK * _BLOCK
-        tiles = ok[..., :a_in, :b_in].reshape(
-            *lead, a_in // _BLOCK, _BLOCK, b_in // _BLOCK, _BLOCK
-        )
-        blocks = jnp.all(tiles, axis=(len(lead) + 1, len(lead) + 3))
-        rest = jnp.all(ok[..., a_in:, :]) & jnp.all(ok[..., :a_in, b_in:])
-    else:
-        ok = jnp.ravel(ok)
-        rows = ok.size // _BLOCK * _BLOCK
-        blocks = jnp.all(ok[:rows].reshape(-1, _BLOCK), axis=1)
-        rest = jnp.all(ok[rows:])
-    # The barrier keeps XLA from merging the two reductions back into one.
-    return jnp.all(lax.optimization_barrier(blocks)) & rest
-
-
-def _all(flags: list[jax.Array]) -> jax.Array:
-    """The conjunction of boolean scalars (``True`` for none)."""
-    return functools.reduce(jnp.logical_and, flags, jnp.ones((), jnp.bool_))
-
-
-def all_finite(tree: PyTree, *, axis_name: Any = None) -> jax.Array:
-    """Whether every floating leaf of ``tree`` is finite (no inf, no NaN).
-
-    Non-floating leaves (integers, booleans, PRNG keys) and ``None`` are
-    ignored; an empty tree is finite.
-
-    Args:
-        tree: a pytree of arrays, e.g. gradients.
-        axis_name: ``None``, or the name (or a tuple of names) of mapped axes
-            (``jax.pmap``, ``jax.shard_map``) over which to agree: the result
-            is then ``True`` on every device iff every device's ``tree`` is
-            finite. Only the boolean is reduced across devices (one scalar
-            all-reduce), whatever the caller does with the gradients. Under
-            plain ``jax.jit`` with globally sharded arrays no axis name is
-            needed: the reduction is global by construction.
-
-    Returns:
-        A boolean scalar array.
-
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> import lossscale
-        >>> lossscale.all_finite({"w": jnp.ones(3), "step": jnp.int32(7)})
-        Array(True, dtype=bool)
-        >>> lossscale.all_finite([jnp.array([1.0, jnp.inf])])
-        Array(False, dtype=bool)
-    """
-    axis_name = _checks.axis_name(axis_name)
-    return finite_by_group([jax.tree.leaves(tree)], axis_name=axis_name)[0]
-
-
-def finite_by_group(
-    groups: list[list[Any]], *, axis_name: Any = None
-) -> jax.Array:
-    """One finiteness flag per group of leaves, in a single collective.
-
-    Args:
-        groups: a list of lists of leaves; non-floating leaves are ignored.
-        axis_name: as in :func:`all_finite`, already validated.
-
-    Returns:
-        A boolean array of shape ``(len(groups),)``.
-    """
-    groups = [[jnp.asarray(x) for x in g if is_float(x)] for g in groups]
-
-    def blocked(group):
-        flags = [
-            _flags_finite(jnp.isfinite(x)) for x in group if x.size > _SMALL
-        ]
-        small = [jnp.ravel(jnp.isfinite(x)) for x in group if x.size <= _SMALL]
-        for i in range(0, len(small), _CHUNK):
-            # Small leaves share one reduction over their concatenated flags
-            # (materialised, at most _SMALL bytes per leaf): one kernel to
-            # compile rather than two per leaf. The barrier keeps XLA from
-            # splitting it back into one reduction per leaf.
-            both = jnp.concatenate(small[i : i + _CHUNK])
-            flags.append(_flags_finite(lax.optimization_barrier(both)))
-        return _all(flags)
-
-    def direct(group):
-        return _all([jnp.all(jnp.isfinite(x)) for x in group])
-
-    # One platform switch for the whole check (not one per leaf: each is a
-    # conditional until XLA folds it, and they add up in compile time).
-    finite = lax.platform_dependent(
-        cpu=lambda: jnp.stack([blocked(g) for g in groups]),
-        default=lambda: jnp.stack([direct(g) for g in groups]),
-    )
-    if axis_name is not None:
-        nonfinite = jnp.logical_not(finite).astype(jnp.int32)
-        finite = lax.psum(nonfinite, axis_name) == 0
-    return finite
 
 
 def select_tree(

@@ -1,7 +1,19 @@
-"""Assertions shared by the tests."""
+"""Helpers shared by the tests."""
 
 import jax
 import numpy as np
+
+import lossscale
+from lossscale import _transform
+from lossscale._compat import enable_x64, explicit_mesh, set_mesh
+
+__all__ = [
+    "assert_trees_bitwise_equal",
+    "enable_x64",
+    "explicit_mesh",
+    "loss_scaled",
+    "set_mesh",
+]
 
 
 def assert_trees_bitwise_equal(a, b):
@@ -14,10 +26,7 @@ def assert_trees_bitwise_equal(a, b):
         assert x.tobytes() == y.tobytes()
 
 
-def enable_x64():
-    """A context with float64 enabled, on every supported jax version."""
-    if hasattr(jax, "enable_x64"):  # jax >= 0.8
-        return jax.enable_x64(True)
-    from jax.experimental import enable_x64 as legacy
-
-    return legacy(True)
+def loss_scaled(inner, loss_scale, *, impl="select", **kwargs):
+    """``lossscale.loss_scaled`` with the skip made by ``impl``."""
+    with _transform.skip_impl(impl):
+        return lossscale.loss_scaled(inner, loss_scale, **kwargs)

@@ -15,7 +15,8 @@ import optax
 import pytest
 
 import lossscale
-from lossscale import _skip
+from lossscale import _compat, _skip
+from tests.helpers import loss_scaled
 
 pytestmark = pytest.mark.standard_promotion
 
@@ -71,9 +72,7 @@ def reference(grads, state):
 
 @pytest.mark.parametrize("impl", ["select", "cond"])
 def test_every_kind_of_state_leaf(impl):
-    tx = lossscale.loss_scaled(
-        odd_optimizer(), lossscale.StaticLossScale(4.0), _skip_impl=impl
-    )
+    tx = loss_scaled(odd_optimizer(), lossscale.StaticLossScale(4.0), impl=impl)
     params = jnp.zeros(3, jnp.float32)
     state = tx.init(params)
     step = jax.jit(tx.update)
@@ -193,9 +192,7 @@ def test_default_skip_copies_no_state_and_adds_no_buffer():
     # Adam's state, and the conditional materialises the updates.
     copies, temp = compiled_step(naive_select(inner), inner.init)
     assert copies >= LEAVES
-    cond = lossscale.loss_scaled(
-        inner, lossscale.DynamicLossScale(), _skip_impl="cond"
-    )
+    cond = loss_scaled(inner, lossscale.DynamicLossScale(), impl="cond")
     copies, temp = compiled_step(cond.update, cond.init)
     assert temp >= 1.0
 
@@ -267,8 +264,8 @@ def test_optax_zoo_select_matches_cond(name):
 
     runs = {}
     for impl in ("select", "cond"):
-        tx = lossscale.loss_scaled(
-            ZOO[name](), lossscale.StaticLossScale(64.0), _skip_impl=impl
+        tx = loss_scaled(
+            ZOO[name](), lossscale.StaticLossScale(64.0), impl=impl
         )
 
         @jax.jit
@@ -301,13 +298,13 @@ def test_falls_back_to_the_conditional_if_jax_internals_change(monkeypatch):
     params = {"w": jnp.arange(3.0)}
     grads = {"w": jnp.array([64.0, -128.0, 32.0])}
     ls = lossscale.StaticLossScale(64.0)
-    cond = lossscale.loss_scaled(optax.adam(0.1), ls, _skip_impl="cond")
+    cond = loss_scaled(optax.adam(0.1), ls, impl="cond")
     want_u, want_s = jax.jit(cond.update)(grads, cond.init(params), params)
 
     def moved(eqn, invals):
         raise AttributeError("'JaxprEqn' object has no attribute 'params'")
 
-    monkeypatch.setattr(_skip, "_bind", moved)
+    monkeypatch.setattr(_compat, "bind_equation", moved)
     tx = lossscale.loss_scaled(optax.adam(0.1), ls)
     with pytest.warns(RuntimeWarning, match="copy-free skip"):
         u, s = jax.jit(tx.update)(grads, tx.init(params), params)

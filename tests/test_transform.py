@@ -7,13 +7,13 @@ import optax
 import pytest
 
 import lossscale
-from tests.helpers import assert_trees_bitwise_equal
+from tests.helpers import assert_trees_bitwise_equal, loss_scaled
 
 SKIP_IMPLS = ["select", "cond"]
 
 
 def make(inner, ls, impl, **kwargs):
-    return lossscale.loss_scaled(inner, ls, _skip_impl=impl, **kwargs)
+    return loss_scaled(inner, ls, impl=impl, **kwargs)
 
 
 @pytest.mark.parametrize("impl", SKIP_IMPLS)

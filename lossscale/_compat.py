@@ -1,0 +1,166 @@
+"""Everything lossscale reads from JAX's internals, with its version shims.
+
+No other module imports ``jax._src`` or relies on the fields of jaxpr
+equations and abstract values: when a JAX release moves them, this is the
+one place to look. The supported range is the one ``pyproject.toml`` admits
+(jax 0.7.0 to the newest), and CI runs the tests on both ends of it.
+
+What is used, and what happens if it moves:
+
+- jaxpr evaluation (:func:`bind_equation`, :func:`literal_value`): the
+  copy-free skip re-binds the inner update's equations. If that fails with
+  an ``AttributeError``/``TypeError``/``KeyError`` the skip falls back to a
+  ``lax.cond`` with a ``RuntimeWarning`` (``lossscale/_skip.py``).
+- the varying mapped axes of an abstract value (:func:`vma`): used to
+  refuse a ``shard_map`` whose replicas would disagree on a skip. Unknown
+  fields read as "varies over nothing", which disables that check only.
+- whether ``shard_map`` tracks varying axes (:func:`unchecked_manual_axes`):
+  an internal config state. If it is missing, nothing is detected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jex_core
+
+__all__ = [
+    "bind_equation",
+    "enable_x64",
+    "explicit_mesh",
+    "is_literal",
+    "is_tracer",
+    "is_var",
+    "literal_value",
+    "set_mesh",
+    "sharded_dims",
+    "unchecked_manual_axes",
+    "vma",
+]
+
+
+def is_tracer(value: Any) -> bool:
+    """Whether ``value`` is an abstract value being traced (not concrete)."""
+    return isinstance(value, jax.core.Tracer)
+
+
+# --- varying mapped axes (shard_map) ----------------------------------------
+
+
+def aval_vma(aval: Any) -> frozenset[Any]:
+    """The mapped axes an abstract value varies over under ``shard_map``."""
+    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))  # jax < 0.10
+
+
+def vma(value: Any) -> frozenset[Any]:
+    """The mapped axes ``value`` varies over under ``shard_map`` (else none)."""
+    return aval_vma(jax.typeof(value))
+
+
+def sharded_dims(value: Any) -> tuple[bool, ...]:
+    """For each axis of ``value``, whether its type shards it explicitly.
+
+    Under a mesh with ``AxisType.Explicit`` axes the sharding is part of
+    the type, and reshapes that split a sharded axis are refused; under
+    ``Auto`` axes (or none) every axis reads as unsharded.
+    """
+    sharding = getattr(jax.typeof(value), "sharding", None)
+    spec = tuple(getattr(sharding, "spec", ()) or ())
+    spec += (None,) * (jnp.ndim(value) - len(spec))
+    return tuple(entry is not None for entry in spec)
+
+
+def _manual_axes() -> frozenset[Any]:
+    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+    if get_mesh is None:
+        return frozenset()
+    return frozenset(getattr(get_mesh(), "manual_axes", ()))
+
+
+def _vma_checked() -> bool:
+    try:
+        from jax._src import config
+    except ImportError:  # pragma: no cover - a JAX without the module
+        return True
+    state = getattr(config, "_check_vma", None)
+    return True if state is None else bool(state.value)
+
+
+def unchecked_manual_axes() -> frozenset[Any]:
+    """Mapped axes whose varying values JAX does not track, here and now.
+
+    Inside ``shard_map(..., check_vma=False)`` (and inside ``jax.pmap`` on
+    the JAX versions that implement it with such a ``shard_map``) every
+    value looks replicated, so nothing can tell whether the gradients'
+    finiteness differs between devices. Elsewhere this is empty.
+    """
+    axes = _manual_axes()
+    if not axes or _vma_checked():
+        return frozenset()
+    return axes
+
+
+# --- jaxpr evaluation ---------------------------------------------------
+
+
+def is_literal(atom: Any) -> bool:
+    return isinstance(atom, jex_core.Literal)
+
+
+def is_var(atom: Any) -> bool:
+    return isinstance(atom, jex_core.Var)
+
+
+def literal_value(atom: Any) -> Any:
+    return atom.val
+
+
+def bind_equation(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """Evaluates one jaxpr equation, as ``jax.core.eval_jaxpr`` does."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    invals = list(invals)
+    if isinstance(params, tuple):  # jax < 0.8 returned (subfuns, params)
+        subfuns, params = params
+        invals = [*subfuns, *invals]
+    ctx = getattr(eqn, "ctx", None)
+    with ctx.manager if ctx is not None else contextlib.nullcontext():
+        out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+# --- shims for the tests, examples and benchmarks --------------------------
+
+
+def enable_x64() -> contextlib.AbstractContextManager[Any]:
+    """A context with float64 enabled."""
+    if hasattr(jax, "enable_x64"):  # jax >= 0.8
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64 as legacy
+
+    return legacy(True)
+
+
+def explicit_mesh(shape: Sequence[int], names: Sequence[str]) -> Any:
+    """``jax.make_mesh`` with every axis ``AxisType.Explicit``.
+
+    Current JAX makes Explicit axes by default; jax 0.7 made Auto ones.
+    """
+    explicit = jax.sharding.AxisType.Explicit
+    return jax.make_mesh(
+        tuple(shape), tuple(names), axis_types=(explicit,) * len(shape)
+    )
+
+
+@contextlib.contextmanager
+def set_mesh(mesh: Any) -> Iterator[None]:
+    """``jax.set_mesh(mesh)`` (``jax.sharding.use_mesh`` before jax 0.8)."""
+    setter = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh
+    with setter(mesh):
+        yield
