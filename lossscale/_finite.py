@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from lossscale import _checks, _compat, _tree
@@ -20,57 +21,55 @@ def leaf_finite(x: jax.Array) -> jax.Array:
     A plain reduction of ``isfinite``: it works on any sharding (a local
     reduction plus a scalar all-reduce where the leaf is split), and it is
     exact, with no overflow of its own. GPUs and TPUs fuse it into one
-    pass; see :func:`_blocked_finite` for the CPU.
+    pass; see :func:`_cpu_flags` for the CPU.
     """
     return jnp.all(jnp.isfinite(x))
 
 
-# On CPU XLA splits a reduction over a whole leaf into a windowed
-# pre-reduction whose input it materialises: the check would write a
-# gradient-sized temporary (a byte per element) and read it back. Reducing
-# blocks of _BLOCK elements first fuses the ``isfinite`` into the reduction
-# and writes 1/_BLOCK of a byte per element instead: rows of 16 for a vector
-# (16 measured fastest on x86), 16 x 16 tiles of the last two axes for
-# anything wider. Tiles read whole cache lines whichever of the two axes is
-# minor in memory: XLA often lays a matmul's weight gradient out transposed,
-# and logical rows of it are read with a stride (measured: 2 ms per 4 MB,
-# 30% of a small float16 train step).
-_BLOCK = 16
-# Leaves of at most _SMALL elements are reduced together, _CHUNK at a time
-# (XLA fuses a concatenation of 8 with the isfinite, not one of 16).
-_SMALL = 1024
-_CHUNK = 8
+# On CPU XLA rewrites a reduction over a whole leaf into a windowed
+# pre-reduction whose input it materialises: `jnp.all(jnp.isfinite(x))`
+# writes a byte per element of every gradient and reads it back (a
+# quarter of the gradients' size in temporaries, and a slower step). It
+# leaves variadic reductions (several operands, one result each) alone,
+# and those fuse the `isfinite` into one pass. So on CPU the leaves of one
+# shape and sharding are checked by one variadic reduction, up to
+# _OPERANDS at a time, which also means one kernel to compile for many
+# leaves; a leaf alone in its group is paired with itself.
+_OPERANDS = 16
 
 
-def _blocked_finite(x: jax.Array) -> jax.Array:
-    """:func:`leaf_finite`, by blocks first where the sharding allows it.
+def _and_each(a: Sequence[jax.Array], b: Sequence[jax.Array]) -> tuple:
+    return tuple(x & y for x, y in zip(a, b, strict=True))
 
-    The tiles split the last two axes (rows split the only one), which an
-    explicitly sharded axis cannot be: such a leaf is checked directly.
-    """
-    ok = jnp.isfinite(x)
-    if x.size <= _SMALL:
-        return jnp.all(ok)
-    sharded = _compat.sharded_dims(x)
-    if ok.ndim >= 2 and min(ok.shape[-2:]) >= _BLOCK:
-        if any(sharded[-2:]):
-            return jnp.all(ok)
-        *lead, a, b = ok.shape
-        a_in, b_in = a // _BLOCK * _BLOCK, b // _BLOCK * _BLOCK
-        tiles = ok[..., :a_in, :b_in].reshape(
-            *lead, a_in // _BLOCK, _BLOCK, b_in // _BLOCK, _BLOCK
-        )
-        blocks = jnp.all(tiles, axis=(len(lead) + 1, len(lead) + 3))
-        rest = jnp.all(ok[..., a_in:, :]) & jnp.all(ok[..., :a_in, b_in:])
-    else:
-        if any(sharded):
-            return jnp.all(ok)
-        ok = jnp.ravel(ok)
-        rows = ok.size // _BLOCK * _BLOCK
-        blocks = jnp.all(ok[:rows].reshape(-1, _BLOCK), axis=1)
-        rest = jnp.all(ok[rows:])
-    # The barrier keeps XLA from merging the two reductions back into one.
-    return jnp.all(lax.optimization_barrier(blocks)) & rest
+
+def _grouping_key(x: jax.Array) -> tuple[Any, ...]:
+    # Operands of one reduction need one shape, sharding and set of varying
+    # mapped axes.
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    return (x.shape, spec, _compat.vma(x))
+
+
+def _cpu_flags(leaves: Sequence[jax.Array]) -> list[jax.Array]:
+    """One finiteness flag per leaf, by variadic reductions; see above."""
+    by_key: dict[tuple[Any, ...], list[int]] = {}
+    for i, x in enumerate(leaves):
+        by_key.setdefault(_grouping_key(x), []).append(i)
+    flags: list[Any] = [None] * len(leaves)
+    for idx in by_key.values():
+        for start in range(0, len(idx), _OPERANDS):
+            chunk = idx[start : start + _OPERANDS]
+            ok = [jnp.isfinite(leaves[i]) for i in chunk]
+            operands = ok * 2 if len(ok) == 1 else ok
+            out = lax.reduce(
+                operands,
+                [np.bool_(True)] * len(operands),
+                _and_each,
+                tuple(range(leaves[chunk[0]].ndim)),
+            )
+            for i, flag in zip(chunk, out, strict=False):
+                flags[i] = flag
+    return flags
 
 
 def _conjunction(flags: Sequence[jax.Array]) -> jax.Array:
@@ -82,34 +81,8 @@ def _conjunction(flags: Sequence[jax.Array]) -> jax.Array:
     return jnp.all(jnp.stack(flags))
 
 
-def _cpu_flags(leaves: Sequence[jax.Array], per_leaf: bool) -> list[jax.Array]:
-    """Flags for a group of leaves on CPU: one per leaf, or fewer.
-
-    Unless every leaf needs its own flag, small unsharded leaves share one
-    reduction over their concatenated flags, _CHUNK at a time (materialised,
-    at most _SMALL bytes per leaf): one kernel to compile rather than two
-    per leaf. The barrier keeps XLA from splitting it back up.
-    """
-    if per_leaf:
-        return [_blocked_finite(x) for x in leaves]
-    small = [
-        i
-        for i, x in enumerate(leaves)
-        if x.size <= _SMALL and not any(_compat.sharded_dims(x))
-    ]
-    flags = [_blocked_finite(x) for i, x in enumerate(leaves) if i not in small]
-    small = [leaves[i] for i in small]
-    for i in range(0, len(small), _CHUNK):
-        both = jnp.concatenate([jnp.ravel(x) for x in small[i : i + _CHUNK]])
-        flags.append(jnp.all(jnp.isfinite(lax.optimization_barrier(both))))
-    return flags
-
-
-def _default_flags(
-    leaves: Sequence[jax.Array], per_leaf: bool
-) -> list[jax.Array]:
-    """Flags for a group of leaves on GPU, TPU and other backends."""
-    del per_leaf
+def _default_flags(leaves: Sequence[jax.Array]) -> list[jax.Array]:
+    """One finiteness flag per leaf on GPU, TPU and other backends."""
     return [leaf_finite(x) for x in leaves]
 
 
@@ -177,7 +150,7 @@ def check(
 
     def flags(platform_flags) -> jax.Array:
         # Per-leaf flags (concatenated) if per_leaf, else per-group ones.
-        out = [platform_flags(group, per_leaf) for group in groups]
+        out = [platform_flags(group) for group in groups]
         if per_leaf:
             flat = [flag for group in out for flag in group]
             return jnp.stack(flat) if flat else jnp.ones((0,), jnp.bool_)
