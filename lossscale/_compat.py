@@ -37,7 +37,8 @@ __all__ = [
     "is_var",
     "literal_value",
     "set_mesh",
-    "sharded_dims",
+    "shardings_hidden",
+    "spec",
     "unchecked_manual_axes",
     "vma",
 ]
@@ -64,17 +65,32 @@ def vma(value: Any) -> frozenset[Any]:
     return aval_vma(jax.typeof(value))
 
 
-def sharded_dims(value: Any) -> tuple[bool, ...]:
-    """For each axis of ``value``, whether its type shards it explicitly.
+def spec(value: Any) -> tuple[Any, ...]:
+    """The partition spec in ``value``'s type, one entry per axis.
 
     Under a mesh with ``AxisType.Explicit`` axes the sharding is part of
-    the type, and reshapes that split a sharded axis are refused; under
-    ``Auto`` axes (or none) every axis reads as unsharded.
+    the type; under ``Auto`` axes (or none) every entry reads ``None``.
     """
     sharding = getattr(jax.typeof(value), "sharding", None)
-    spec = tuple(getattr(sharding, "spec", ()) or ())
-    spec += (None,) * (jnp.ndim(value) - len(spec))
-    return tuple(entry is not None for entry in spec)
+    entries = tuple(getattr(sharding, "spec", ()) or ())
+    return entries + (None,) * (jnp.ndim(value) - len(entries))
+
+
+def shardings_hidden() -> bool:
+    """Whether arrays may be sharded in ways their types do not show.
+
+    True under a mesh in context with an ``Auto`` axis of more than one
+    device, where the partitioner decides the shardings after tracing.
+    """
+    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+    if get_mesh is None:  # pragma: no cover - every supported JAX has it
+        return True
+    mesh = get_mesh()
+    auto = jax.sharding.AxisType.Auto
+    return any(
+        kind == auto and size > 1
+        for kind, size in zip(mesh.axis_types, mesh.axis_sizes, strict=True)
+    )
 
 
 def _manual_axes() -> frozenset[Any]:

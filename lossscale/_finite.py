@@ -31,10 +31,11 @@ def leaf_finite(x: jax.Array) -> jax.Array:
 # writes a byte per element of every gradient and reads it back (a
 # quarter of the gradients' size in temporaries, and a slower step). It
 # leaves variadic reductions (several operands, one result each) alone,
-# and those fuse the `isfinite` into one pass. So on CPU the leaves of one
+# and those fuse the `isfinite` into one pass. So on CPU, leaves of one
 # shape and sharding are checked by one variadic reduction, up to
-# _OPERANDS at a time, which also means one kernel to compile for many
-# leaves; a leaf alone in its group is paired with itself.
+# _OPERANDS at a time, which is also one kernel to compile for many leaves;
+# a leaf alone reduces `isfinite` and `isnan` together (XLA would merge
+# two copies of one operand back into a plain reduction).
 _OPERANDS = 16
 
 
@@ -42,32 +43,48 @@ def _and_each(a: Sequence[jax.Array], b: Sequence[jax.Array]) -> tuple:
     return tuple(x & y for x, y in zip(a, b, strict=True))
 
 
-def _grouping_key(x: jax.Array) -> tuple[Any, ...]:
-    # Operands of one reduction need one shape, sharding and set of varying
-    # mapped axes.
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    spec = getattr(sharding, "spec", None)
-    return (x.shape, spec, _compat.vma(x))
+def _alone(x: jax.Array) -> jax.Array:
+    finite, nan = lax.reduce(
+        [jnp.isfinite(x), jnp.isnan(x)],
+        [np.bool_(True), np.bool_(False)],
+        lambda a, b: (a[0] & b[0], a[1] | b[1]),
+        tuple(range(x.ndim)),
+    )
+    return finite & ~nan  # both results used, so neither is dropped
+
+
+def _together(leaves: Sequence[jax.Array]) -> list[jax.Array]:
+    out = lax.reduce(
+        [jnp.isfinite(x) for x in leaves],
+        [np.bool_(True)] * len(leaves),
+        _and_each,
+        tuple(range(leaves[0].ndim)),
+    )
+    return list(out)
 
 
 def _cpu_flags(leaves: Sequence[jax.Array]) -> list[jax.Array]:
-    """One finiteness flag per leaf, by variadic reductions; see above."""
-    by_key: dict[tuple[Any, ...], list[int]] = {}
+    """One finiteness flag per leaf, by variadic reductions; see above.
+
+    The operands of one reduction must share a sharding, or XLA reshards
+    (gathers) some of them first. Their type says so under explicit mesh
+    axes, under ``shard_map`` and on one device; under automatic axes of a
+    mesh in context it does not, and each leaf is then checked alone.
+    """
+    hidden = _compat.shardings_hidden()
+    by_key: dict[Any, list[int]] = {}
     for i, x in enumerate(leaves):
-        by_key.setdefault(_grouping_key(x), []).append(i)
+        key = i if hidden else (x.shape, _compat.spec(x), _compat.vma(x))
+        by_key.setdefault(key, []).append(i)
     flags: list[Any] = [None] * len(leaves)
     for idx in by_key.values():
         for start in range(0, len(idx), _OPERANDS):
             chunk = idx[start : start + _OPERANDS]
-            ok = [jnp.isfinite(leaves[i]) for i in chunk]
-            operands = ok * 2 if len(ok) == 1 else ok
-            out = lax.reduce(
-                operands,
-                [np.bool_(True)] * len(operands),
-                _and_each,
-                tuple(range(leaves[chunk[0]].ndim)),
-            )
-            for i, flag in zip(chunk, out, strict=False):
+            if len(chunk) == 1:
+                out = [_alone(leaves[chunk[0]])]
+            else:
+                out = _together([leaves[i] for i in chunk])
+            for i, flag in zip(chunk, out, strict=True):
                 flags[i] = flag
     return flags
 

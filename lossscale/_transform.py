@@ -2,7 +2,7 @@
 
 ``update`` (:func:`_update`) is a sequence of named steps, each a function
 below: :func:`_plan` (which leaves belong to which loss scale),
-:func:`_unscale`, :func:`_decide` (the finiteness check, agreed across
+:class:`_Unscaled`, :func:`_decide` (the finiteness check, agreed across
 devices), :func:`lossscale._skip.apply_if_finite` (the inner update, or the
 skip), :func:`_adjust` (the next loss scales), :func:`_next_counters` and
 :func:`_min_scale_alarm`.
@@ -513,14 +513,17 @@ def _update(
     plan = _plan(spec, groups, grads)
     if spec.report_nonfinite:
         _check_report_size(state, plan)
-    unscaled = _unscale(plan, groups)
+    unscaled = _Unscaled(plan, groups)
     group_finite, nonfinite = _decide(spec, plan, unscaled)
     finite = jnp.all(group_finite)
+    if _compat.is_tracer(finite):
+        # Unscale at this level of the trace: values first computed inside
+        # the skip's own traces (a jaxpr, a conditional's branches) must not
+        # leak out of them. Eagerly, only a step that is applied unscales.
+        unscaled.all()
     updates, inner_state = _skip.apply_if_finite(
         finite,
-        lambda: _inner_update(
-            spec, plan.treedef.unflatten(unscaled), state, params, extra_args
-        ),
+        lambda: _inner_update(spec, plan, unscaled, state, params, extra_args),
         state.inner_state,
         impl=spec.skip_impl,
     )
@@ -613,28 +616,67 @@ def _plan(spec: _Spec, groups: Groups, grads: Any) -> _Plan:
     return _Plan(leaves, treedef, paths, floats, members)
 
 
-def _unscale(plan: _Plan, groups: Groups) -> list[Any]:
-    """The gradient leaves with each group's unscaled; others unchanged.
+class _Unscaled:
+    """The gradients with each group unscaled, computed when first needed.
 
-    One reciprocal per group. Computed once: the check and the inner
-    update read the same values, and XLA fuses the multiply into both.
+    One reciprocal per group. The inner update reads all of them; the check
+    reads a group only when its scale can go below 1. A skipped eager step
+    computes none, so no arithmetic touches its non-finite gradients.
     """
-    out = list(plan.leaves)
-    for label, idx in plan.members.items():
-        if idx:
-            new = groups[label].unscale([plan.leaves[i] for i in idx])
-            for i, leaf in zip(idx, new, strict=True):
+
+    def __init__(self, plan: _Plan, groups: Groups):
+        self._plan = plan
+        self._groups = groups
+        self._done: dict[Hashable, list[Any]] = {}
+
+    def group(self, label: Hashable) -> list[Any]:
+        if label not in self._done:
+            idx = self._plan.members[label]
+            leaves = [self._plan.leaves[i] for i in idx]
+            self._done[label] = (
+                list(self._groups[label].unscale(leaves)) if idx else []
+            )
+        return self._done[label]
+
+    def all(self) -> list[Any]:
+        """Every gradient leaf, unscaled where its group unscales it."""
+        out = list(self._plan.leaves)
+        for label, idx in self._plan.members.items():
+            for i, leaf in zip(idx, self.group(label), strict=True):
                 out[i] = leaf
-    return out
+        return out
+
+
+def _checked_values(
+    spec: _Spec, plan: _Plan, unscaled: _Unscaled, label: Hashable
+) -> list[jax.Array]:
+    """The values whose finiteness decides a group's step.
+
+    A finite gradient divided by a scale >= 1 cannot overflow, so where the
+    scale cannot go below 1 the scaled gradients are finite exactly when the
+    unscaled ones are: they are checked as they arrive, and XLA need not
+    fuse the unscale into the check. Where the scale may go below 1 (or its
+    floor is unknown) the unscaled ones are checked, after the scaled ones
+    when called eagerly: scaled gradients already non-finite are never
+    unscaled (``jax_debug_nans`` would stop at the multiply).
+    """
+    raw = [jnp.asarray(plan.leaves[i]) for i in plan.members[label]]
+    floor = spec.floors[label]
+    if floor is not None and floor >= 1:
+        return raw
+    eager = bool(raw) and not _compat.is_tracer(raw[0])
+    if eager and not bool(_finite.check([raw])[0][0]):
+        return raw
+    return [jnp.asarray(x) for x in unscaled.group(label)]
 
 
 def _decide(
-    spec: _Spec, plan: _Plan, unscaled: list[Any]
+    spec: _Spec, plan: _Plan, unscaled: _Unscaled
 ) -> tuple[jax.Array, jax.Array | None]:
     """Per-group finiteness (and, if reporting, per-leaf non-finiteness)."""
     order = list(plan.members)
     group_finite, bad = _finite.check(
-        [[jnp.asarray(unscaled[i]) for i in plan.members[k]] for k in order],
+        [_checked_values(spec, plan, unscaled, label) for label in order],
         axis_name=spec.axis_name,
         per_leaf=spec.report_nonfinite,
     )
@@ -663,11 +705,13 @@ def _check_report_size(state: LossScaledState, plan: _Plan) -> None:
 
 def _inner_update(
     spec: _Spec,
-    grads: Any,
+    plan: _Plan,
+    unscaled: _Unscaled,
     state: LossScaledState,
     params: Any,
     extra_args: dict[str, Any],
 ) -> tuple[Any, Any]:
+    grads = plan.treedef.unflatten(unscaled.all())
     try:
         return spec.inner.update(grads, state.inner_state, params, **extra_args)
     except (ValueError, TypeError) as err:

@@ -1,0 +1,237 @@
+"""Sharded training under jit: explicit and automatic mesh axes.
+
+``jax.make_mesh`` makes ``AxisType.Explicit`` axes by default in current
+JAX, and under them the sharding is part of every array's type: an
+operation that cannot keep it is refused at trace time. The wrapper must
+run wherever plain optax runs, keep every output's sharding, and check
+finiteness with a local reduction per device and a scalar all-reduce,
+never by gathering a gradient.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import lossscale
+from tests.helpers import (
+    assert_trees_bitwise_equal,
+    explicit_mesh,
+    loss_scaled,
+    set_mesh,
+)
+
+pytestmark = pytest.mark.standard_promotion
+
+SHAPES = {
+    "w": (64, 32),  # large: a matrix
+    "emb": (128, 16),  # large, FSDP-style on the data axis
+    "v": (4096,),  # a large vector
+    "b": (32,),  # small leaves, on different specs
+    "ln": (16,),
+    "b2": (32,),
+}
+LAYOUTS = {
+    "replicated": {name: P() for name in SHAPES},
+    "data": {
+        "w": P("data"),
+        "emb": P("data"),
+        "v": P("data"),
+        "b": P(),
+        "ln": P(),
+        "b2": P(),
+    },
+    "model": {
+        "w": P(None, "model"),
+        "emb": P(None, "model"),
+        "v": P("model"),
+        "b": P("model"),
+        "ln": P(),
+        "b2": P("model"),
+    },
+    "fsdp": {
+        "w": P("data", None),
+        "emb": P("data", None),
+        "v": P(("data", "model")),
+        "b": P("data"),
+        "ln": P(),
+        "b2": P("data"),
+    },
+    "mixed": {
+        "w": P("data", "model"),
+        "emb": P("data", None),
+        "v": P("model"),
+        "b": P("model"),
+        "ln": P(),
+        "b2": P("data"),
+    },
+}
+SCALE = 2.0**10
+
+
+def make_mesh(axis_type):
+    if axis_type == "explicit":
+        return explicit_mesh((4, 2), ("data", "model"))
+    auto = jax.sharding.AxisType.Auto
+    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(auto, auto))
+
+
+def place(mesh, tree, specs):
+    return {
+        k: jax.device_put(v, NamedSharding(mesh, specs[k]))
+        for k, v in tree.items()
+    }
+
+
+def problem(mesh, layout):
+    rng = np.random.default_rng(0)
+    params = {
+        k: jnp.asarray(rng.normal(size=s), jnp.float32)
+        for k, s in SHAPES.items()
+    }
+    grads = {
+        k: jnp.asarray(rng.normal(size=s) * SCALE, jnp.float32)
+        for k, s in SHAPES.items()
+    }
+    specs = LAYOUTS[layout]
+    return place(mesh, params, specs), place(mesh, grads, specs)
+
+
+def with_value(x, index, value):
+    """A copy of the sharded array ``x`` with one element set, same sharding."""
+    host = np.array(x)
+    host[index] = value
+    return jax.device_put(host, x.sharding)
+
+
+def specs_of(tree):
+    """Each leaf's partition spec, without trailing Nones (P(None) == P())."""
+    out = []
+    for x in jax.tree.leaves(tree):
+        spec = list(getattr(x.sharding, "spec", ()))
+        while spec and spec[-1] is None:
+            spec.pop()
+        out.append(tuple(spec))
+    return out
+
+
+def collectives(compiled):
+    """(op, result type) of every cross-device operation in the program."""
+    return re.findall(
+        r"= (\S+) (all-reduce|all-gather|all-to-all|collective-permute|"
+        r"reduce-scatter)(?:-start)?\(",
+        compiled.as_text(),
+    )
+
+
+@pytest.mark.parametrize("impl", ["select", "cond"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
+def test_train_step_on_a_mesh(axis_type, layout, impl):
+    mesh = make_mesh(axis_type)
+    inner = optax.adamw(1e-2, weight_decay=0.1)
+    tx = loss_scaled(
+        optax.adamw(1e-2, weight_decay=0.1),
+        lossscale.StaticLossScale(SCALE),
+        impl=impl,
+    )
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    def plain_step(params, state, grads):
+        grads = jax.tree.map(lambda g: g * (1 / SCALE), grads)
+        updates, state = inner.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    with set_mesh(mesh):
+        params, grads = problem(mesh, layout)
+        state = jax.jit(tx.init)(params)
+        assert specs_of(state.inner_state) == specs_of(
+            jax.jit(inner.init)(params)
+        )
+        new_params, new_state = jax.jit(step)(params, state, grads)
+        want_params, want_inner = jax.jit(plain_step)(
+            params, jax.jit(inner.init)(params), grads
+        )
+        assert bool(new_state.grads_finite)
+        for got, want in zip(
+            jax.tree.leaves((new_params, new_state.inner_state)),
+            jax.tree.leaves((want_params, want_inner)),
+            strict=True,
+        ):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+        # Every output is sharded as plain optax's is; under explicit axes
+        # (where the sharding is part of the type) as its input is.
+        assert specs_of(new_params) == specs_of(want_params)
+        assert specs_of(new_state.inner_state) == specs_of(want_inner)
+        if axis_type == "explicit":
+            assert specs_of(new_params) == specs_of(params)
+            assert specs_of(new_state.inner_state) == specs_of(
+                state.inner_state
+            )
+
+        # An inf in one shard of one leaf skips the step on every device.
+        bad = dict(grads, w=with_value(grads["w"], (63, 31), np.inf))
+        out_params, out_state = jax.jit(step)(new_params, new_state, bad)
+        assert not bool(out_state.grads_finite)
+        assert_trees_bitwise_equal(out_params, new_params)
+        assert_trees_bitwise_equal(out_state.inner_state, new_state.inner_state)
+
+        # Only flags cross devices (at most one per device), never a
+        # gradient: a local reduction, then a scalar collective.
+        compiled = jax.jit(step).lower(params, state, grads).compile()
+        for result, op in collectives(compiled):
+            for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", result):
+                size = int(np.prod([int(d) for d in dims.split(",") if d]))
+                assert dtype in ("pred", "s32") and size <= 8, (op, result)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_all_finite_and_select_tree_on_an_explicit_mesh(layout):
+    mesh = make_mesh("explicit")
+    with set_mesh(mesh):
+        params, grads = problem(mesh, layout)
+        assert bool(jax.jit(lossscale.all_finite)(grads))
+        assert bool(lossscale.all_finite(grads))  # eager, on sharded arrays
+        bad = dict(grads, b2=with_value(grads["b2"], (5,), np.nan))
+        assert not bool(jax.jit(lossscale.all_finite)(bad))
+        chosen = jax.jit(lossscale.select_tree)(jnp.bool_(False), grads, params)
+        assert_trees_bitwise_equal(chosen, params)
+        assert specs_of(chosen) == specs_of(params)
+
+
+def test_exports_for_gpu_and_tpu_under_explicit_sharding():
+    """Both branches of the check trace under explicit sharding.
+
+    ``lax.platform_dependent`` traces the CPU branch and the default one
+    whatever the target, so an export for accelerators from this CPU-only
+    machine traces (and lowers) both.
+    """
+    from jax import export
+
+    mesh = make_mesh("explicit")
+    tx = lossscale.loss_scaled(
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
+        lossscale.DynamicLossScale(SCALE),
+    )
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    with set_mesh(mesh):
+        params, grads = problem(mesh, "mixed")
+        state = jax.jit(tx.init)(params)
+        exported = export.export(jax.jit(step), platforms=("cuda", "tpu"))(
+            params, state, grads
+        )
+    assert exported.platforms == ("cuda", "tpu")
+    text = exported.mlir_module()
+    assert "is_finite" in text
