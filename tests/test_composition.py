@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import lossscale
+from tests.helpers import assert_trees_bitwise_equal, loss_scaled
 
 pytestmark = pytest.mark.standard_promotion
 
@@ -192,3 +193,97 @@ def test_extra_args_reach_reduce_on_plateau():
     plateau = state.inner_state[1]
     _, state = update(g * jnp.inf, state, params, value=jnp.asarray(9.0))
     assert int(state.inner_state[1].plateau_count) == int(plateau.plateau_count)
+
+
+class TestParamsAsGiven:
+    """``params`` reaches the inner optimizer as given, as in plain optax."""
+
+    def run_both(self, inner_fn, params, grad_steps, impl):
+        """Plain optax on the true gradients vs lossscale on scaled ones."""
+        inner = inner_fn()
+        tx = loss_scaled(inner_fn(), lossscale.StaticLossScale(S), impl=impl)
+        plain_step = jax.jit(inner.update)
+        step = jax.jit(tx.update)
+        plain_state, state = inner.init(params), tx.init(params)
+        for grads in grad_steps:
+            want, plain_state = plain_step(grads, plain_state, params)
+            scaled = jax.tree.map(lambda g: g * S, grads)
+            got, state = step(scaled, state, params)
+            assert jax.tree.structure(got) == jax.tree.structure(want)
+            for x, y in zip(
+                jax.tree.leaves((got, state.inner_state)),
+                jax.tree.leaves((want, plain_state)),
+                strict=True,
+            ):
+                np.testing.assert_allclose(x, y, rtol=1e-6)
+        return tx, state
+
+    @pytest.mark.parametrize("impl", ["select", "cond"])
+    def test_lookahead(self, impl):
+        # Its params are LookaheadParams (fast and slow), the gradients are
+        # those of the fast params alone, and the updates cover both.
+        params = optax.LookaheadParams.init_synced(
+            {"w": jnp.arange(3.0), "b": jnp.ones(2)}
+        )
+        grads = [
+            {"w": jnp.array([0.5, -1.0, 2.0]) * i, "b": jnp.ones(2) / i}
+            for i in range(1, 5)
+        ]
+        inner_fn = lambda: optax.lookahead(optax.adam(1e-2), 2, 0.5)
+        tx, state = self.run_both(inner_fn, params, grads, impl)
+        before = state.inner_state
+        bad = {"w": jnp.array([S, jnp.inf, S]), "b": jnp.ones(2) * S}
+        updates, state = jax.jit(tx.update)(bad, state, params)
+        assert not bool(state.grads_finite)
+        assert_trees_bitwise_equal(state.inner_state, before)
+        assert_trees_bitwise_equal(
+            updates, jax.tree.map(jnp.zeros_like, params)
+        )
+
+    @pytest.mark.parametrize("impl", ["select", "cond"])
+    @pytest.mark.parametrize(
+        "inner_fn",
+        [
+            lambda: optax.sgd(0.1),
+            lambda: optax.sgd(0.1, momentum=0.9),
+            lambda: optax.chain(
+                optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.5)
+            ),
+        ],
+        ids=["sgd", "momentum", "clip+momentum"],
+    )
+    def test_none_gradient_for_an_int_param(self, impl, inner_fn):
+        # equinox's opt.update(grads, state, eqx.filter(model, eqx.is_array))
+        # with an int array in the model: its gradient is None. optax's
+        # momentum then drops that leaf from its trace at the first update.
+        params = {"w": jnp.array([1.0, -2.0]), "step": jnp.int32(3)}
+        grads = [
+            {"w": jnp.array([0.25, 1.0]) * i, "step": None} for i in (1, 2)
+        ]
+        tx, state = self.run_both(inner_fn, params, grads, impl)
+        before = state.inner_state
+        bad = {"w": jnp.array([jnp.nan, 1.0]), "step": None}
+        updates, state = jax.jit(tx.update)(bad, state, params)
+        assert not bool(state.grads_finite)
+        assert_trees_bitwise_equal(state.inner_state, before)
+        assert updates["step"] is None
+
+    @pytest.mark.parametrize("impl", ["select", "cond"])
+    def test_first_step_skipped_takes_the_new_structure(self, impl):
+        params = {"w": jnp.array([1.0, -2.0]), "step": jnp.int32(3)}
+        tx = loss_scaled(
+            optax.sgd(0.1, momentum=0.9),
+            lossscale.StaticLossScale(S),
+            impl=impl,
+        )
+        state = tx.init(params)
+        bad = {"w": jnp.array([jnp.inf, 1.0]), "step": None}
+        _, skipped = jax.jit(tx.update)(bad, state, params)
+        trace = skipped.inner_state[0].trace
+        assert list(trace) == ["w"] or trace["step"] is None
+        np.testing.assert_array_equal(trace["w"], np.zeros(2))
+        # The next (finite) step runs on that state without retracing
+        # anything but the structure change.
+        good = {"w": jnp.array([S, S]), "step": None}
+        updates, state = jax.jit(tx.update)(good, skipped, params)
+        np.testing.assert_allclose(updates["w"], [-0.1, -0.1])

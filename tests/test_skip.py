@@ -16,7 +16,7 @@ import pytest
 
 import lossscale
 from lossscale import _compat, _skip
-from tests.helpers import loss_scaled
+from tests.helpers import assert_trees_bitwise_equal, loss_scaled
 
 pytestmark = pytest.mark.standard_promotion
 
@@ -221,13 +221,39 @@ def test_program_grows_linearly_with_leaves():
 
 
 ZOO = {
-    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
-    "lion": lambda: optax.lion(1e-3),
-    "nesterov": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+    # Every optax alias that takes gradients alone.
+    "adabelief": lambda: optax.adabelief(1e-2),
+    "adadelta": lambda: optax.adadelta(1e-1),
     "adafactor": lambda: optax.adafactor(1e-2),
+    "adagrad": lambda: optax.adagrad(1e-2),
+    "adam": lambda: optax.adam(1e-2),
+    "adamax": lambda: optax.adamax(1e-2),
+    "adamaxw": lambda: optax.adamaxw(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "adan": lambda: optax.adan(1e-2),
+    "amsgrad": lambda: optax.amsgrad(1e-2),
+    "fromage": lambda: optax.fromage(1e-2),
     "lamb": lambda: optax.lamb(1e-2),
+    "lars": lambda: optax.lars(1e-2),
+    "lion": lambda: optax.lion(1e-3),
+    "nadam": lambda: optax.nadam(1e-2),
+    "nadamw": lambda: optax.nadamw(1e-2),
+    "noisy_sgd": lambda: optax.noisy_sgd(1e-2, key=0),
+    "novograd": lambda: optax.novograd(1e-2),
+    "radam": lambda: optax.radam(1e-2),
+    "rmsprop": lambda: optax.rmsprop(1e-2, momentum=0.9),
+    "rprop": lambda: optax.rprop(1e-2),
+    "sgd": lambda: optax.sgd(1e-2),
+    "nesterov": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+    "sign_sgd": lambda: optax.sign_sgd(1e-2),
+    "sm3": lambda: optax.sm3(1e-2),
+    "yogi": lambda: optax.yogi(1e-2),
+    # Chains and wrappers.
     "clip+adam": lambda: optax.chain(
         optax.clip_by_global_norm(1.0), optax.adam(1e-2)
+    ),
+    "clip_by_block_rms+sgd": lambda: optax.chain(
+        optax.clip_by_block_rms(1.0), optax.clip(2.0), optax.sgd(1e-1)
     ),
     "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adam)(
         learning_rate=optax.linear_schedule(1e-2, 1e-3, 10)
@@ -237,30 +263,66 @@ ZOO = {
         {"w": "a", "b": "b"},
     ),
     "accumulate": lambda: optax.MultiSteps(optax.adam(1e-2), 2),
+    # A few of optax.contrib.
+    "ademamix": lambda: optax.contrib.ademamix(1e-2),
+    "cocob": lambda: optax.contrib.cocob(),
+    "dadapt_adamw": lambda: optax.contrib.dadapt_adamw(),
+    "prodigy": lambda: optax.contrib.prodigy(),
+    "schedule_free_adamw": lambda: optax.contrib.schedule_free_adamw(1e-2),
 }
+if hasattr(optax, "signum"):  # optax >= 0.2.7
+    ZOO["signum"] = lambda: optax.signum(1e-2)
+if hasattr(optax.contrib, "muon"):
+    ZOO["muon"] = lambda: optax.contrib.muon(1e-2)
+
+
+def host(tree):
+    """A copy on the host (PRNG keys as their raw data)."""
+
+    def leaf(x):
+        if jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        return np.asarray(x)
+
+    return jax.tree.map(leaf, tree)
+
+
+def zoo_grads(params, rng):
+    return jax.tree.map(
+        lambda p: jnp.asarray(rng.normal(size=p.shape) * 64, p.dtype), params
+    )
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
-def test_optax_zoo_select_matches_cond(name):
-    """The rewritten update agrees with the conditional on real optimizers.
+def test_optax_zoo(name):
+    """Finite steps are plain optax's; a skipped step changes nothing.
 
-    Finite steps agree to float32 rounding (the two programs fuse the same
-    arithmetic differently); a skipped step leaves parameters and state
-    bitwise as they were in both.
+    Plain optax runs on the true gradients, lossscale on the same gradients
+    scaled by 64 (exactly, a power of two). Finite steps agree to float32
+    rounding (the programs fuse the same arithmetic differently); the
+    skipped step leaves parameters and state bitwise as they were, with
+    either skip. The conditional agrees with the default select.
     """
     rng = np.random.default_rng(0)
     params = {
         "w": jnp.asarray(rng.normal(size=(6, 5)), jnp.float32),
         "b": jnp.asarray(rng.normal(size=(5,)), jnp.float32),
     }
-    grads = [
-        jax.tree.map(
-            lambda p: jnp.asarray(rng.normal(size=p.shape) * 64, p.dtype),
-            params,
-        )
-        for _ in range(5)
-    ]
+    grads = [zoo_grads(params, rng) for _ in range(5)]
     grads[2]["w"] = grads[2]["w"].at[1, 1].set(jnp.inf)
+
+    inner = ZOO[name]()
+
+    @jax.jit
+    def plain_step(p, s, g):
+        u, s = inner.update(jax.tree.map(lambda x: x / 64, g), s, p)
+        return optax.apply_updates(p, u), s
+
+    p, s, plain = params, inner.init(params), []
+    for i, g in enumerate(grads):
+        if i != 2:  # plain optax never sees the bad step
+            p, s = plain_step(p, s, g)
+        plain.append(host((p, s)))
 
     runs = {}
     for impl in ("select", "cond"):
@@ -275,22 +337,84 @@ def test_optax_zoo_select_matches_cond(name):
 
         p, s, trail = params, tx.init(params), []
         for i, g in enumerate(grads):
-            before = jax.tree.map(np.asarray, (p, s.inner_state))
+            before = host((p, s.inner_state))
             p, s = step(p, s, g)
+            after = host((p, s.inner_state))
             if i == 2:
                 assert not bool(s.grads_finite)
-                after = jax.tree.map(np.asarray, (p, s.inner_state))
-                for x, y in zip(
-                    jax.tree.leaves(before), jax.tree.leaves(after), strict=True
-                ):
-                    assert x.tobytes() == y.tobytes()
-            trail.append(jax.tree.map(np.asarray, (p, s.inner_state)))
+                assert_trees_bitwise_equal(after, before)
+            trail.append(after)
         runs[impl] = trail
-    for a, b in zip(runs["select"], runs["cond"], strict=True):
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-            np.testing.assert_allclose(x, y, rtol=2e-6, atol=1e-7)
+    for ours, cond, want in zip(
+        runs["select"], runs["cond"], plain, strict=True
+    ):
+        for x, y, z in zip(
+            jax.tree.leaves(ours),
+            jax.tree.leaves(cond),
+            jax.tree.leaves(want),
+            strict=True,
+        ):
+            np.testing.assert_allclose(x, z, rtol=2e-6, atol=1e-7)
+            np.testing.assert_allclose(y, z, rtol=2e-6, atol=1e-7)
     # Control: the steps did change the parameters.
     assert not np.allclose(runs["select"][-1][0]["w"], params["w"])
+
+
+# On CPU the default skip adds no temporary buffer to an optimizer whose
+# update is elementwise per leaf (the adam family, sgd and momentum,
+# rmsprop, lion, ...). Where the update reduces over each leaf before using
+# it (adafactor, lamb, lars, novograd, prodigy, sm3, clipping by block RMS)
+# or accumulates (MultiSteps), XLA's scheduler orders the program
+# differently with the selects in it, sometimes keeping a gradient-sized
+# value alive longer than plain optax does, sometimes shorter: measured on
+# jax 0.7 and 0.10, up to this many parameter-sized buffers more. The
+# conditional skip is no better for any of them: it materialises the
+# updates, one buffer more than plain optax for every optimizer.
+MORE_BUFFERS = {
+    "accumulate": 1.0,
+    "adafactor": 1.0,
+    "clip_by_block_rms+sgd": 1.0,
+    "dadapt_adamw": 0.5,
+    "lamb": 1.0,
+    "lars": 1.0,
+    "novograd": 2.0,
+    "prodigy": 1.0,
+    "sm3": 0.05,
+}
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_optax_zoo_temp_memory(name):
+    """The default skip adds no temporary buffer to plain optax's program.
+
+    XLA's buffer analysis of the compiled, donated step is deterministic.
+    Plain optax is given the true gradients; the check's flags may add a
+    few bytes. MORE_BUFFERS lists the exceptions and their bounds.
+    """
+    params = {f"w{i}": jnp.full((256, 256), 0.5) for i in range(4)}
+    params["b"] = jnp.ones(256)
+    if name == "multi_transform":
+        params = {"w": params["w0"], "b": params["b"]}
+    size = sum(x.nbytes for x in jax.tree.leaves(params))
+
+    def temp(update, init, grads):
+        def step(p, s, g):
+            u, s = update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        compiled = (
+            jax.jit(step, donate_argnums=(0, 1))
+            .lower(params, init(params), grads)
+            .compile()
+        )
+        return compiled.memory_analysis().temp_size_in_bytes / size
+
+    inner = ZOO[name]()
+    plain = temp(inner.update, inner.init, params)
+    tx = lossscale.loss_scaled(ZOO[name](), lossscale.StaticLossScale(64.0))
+    ours = temp(tx.update, tx.init, jax.tree.map(lambda p: p * 64.0, params))
+    allowed = plain + 0.01 + MORE_BUFFERS.get(name, 0.0)
+    assert ours <= allowed, (ours, plain)
 
 
 def test_falls_back_to_the_conditional_if_jax_internals_change(monkeypatch):
