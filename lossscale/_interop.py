@@ -14,16 +14,24 @@ import jax
 
 def _is_variable(x: Any) -> bool:
     # flax.nnx.Variable (e.g. the OptState/OptArray leaves that
-    # nnx.Optimizer wraps its opt_state in) exposes its array as get_value().
-    return callable(getattr(x, "get_value", None)) and not isinstance(
-        x, jax.Array
-    )
+    # nnx.Optimizer wraps its opt_state in) exposes its array as
+    # get_value() (flax >= 0.12) or as .value (flax 0.11).
+    if isinstance(x, jax.Array):
+        return False
+    if callable(getattr(x, "get_value", None)):
+        return True
+    return type(x).__module__.startswith("flax.") and hasattr(x, "value")
+
+
+def _value(x: Any) -> Any:
+    get_value = getattr(x, "get_value", None)
+    return get_value() if callable(get_value) else x.value
 
 
 def unwrap_variables(tree: Any) -> Any:
     """Replaces flax ``nnx.Variable`` leaves by the arrays they hold."""
     return jax.tree.map(
-        lambda x: x.get_value() if _is_variable(x) else x,
+        lambda x: _value(x) if _is_variable(x) else x,
         tree,
         is_leaf=_is_variable,
     )

@@ -7,6 +7,7 @@ train step whose global batch holds an inf only in process 1's rows, and
 prints one JSON line with what this process saw on its own devices.
 """
 
+import inspect
 import json
 import sys
 
@@ -25,14 +26,18 @@ def main(port: int, process_id: int, init_timeout_s: int = 30) -> None:
     jax.config.update("jax_num_cpu_devices", 2)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     address = f"127.0.0.1:{port}"
+    timeouts = {
+        "initialization_timeout": init_timeout_s,
+        "heartbeat_timeout_seconds": 10,
+        "shutdown_timeout_seconds": 10,  # jax >= 0.8
+    }
+    accepted = inspect.signature(jax.distributed.initialize).parameters
     jax.distributed.initialize(
         coordinator_address=address,
         coordinator_bind_address=address,
         num_processes=2,
         process_id=process_id,
-        initialization_timeout=init_timeout_s,
-        heartbeat_timeout_seconds=10,
-        shutdown_timeout_seconds=10,
+        **{k: v for k, v in timeouts.items() if k in accepted},
     )
     assert jax.device_count() == 4 and jax.local_device_count() == 2
     mesh = jax.make_mesh((4,), ("data",))
