@@ -608,7 +608,7 @@ def _plan(spec: _Spec, groups: Groups, grads: Any) -> _Plan:
                     f"the gradient at {paths[i] or '<root>'} is {dtype}, and "
                     f"the loss scale {where} can go down to {floor!r} < 1: a "
                     f"finite {dtype} gradient divided by it can overflow "
-                    "{dtype}, and backing off would only make that worse. "
+                    f"{dtype}, and backing off would only make that worse. "
                     "Keep the scale >= 1 for such gradients (min_loss_scale="
                     "1.0, the default), or compute gradients in float32 "
                     "(float32 master weights)."

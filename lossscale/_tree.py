@@ -51,7 +51,7 @@ def narrower_range_than_float32(dtype: Any) -> bool:
     dtype = np.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         return False
-    return float(jnp.finfo(dtype).max) < float(jnp.finfo(jnp.float32).max)
+    return int(jnp.finfo(dtype).maxexp) < int(jnp.finfo(jnp.float32).maxexp)
 
 
 def multiply_keep_dtype(x: Any, factor: jax.Array) -> Any:

@@ -154,3 +154,82 @@ def test_donated_buffers():
             assert old["w"].is_deleted()  # really donated
     assert int(state.skipped_steps) == 3
     assert bool(lossscale.all_finite(params))
+
+
+class TestScaleInvariants:
+    """The scale and its reciprocal stay normal float32 numbers, always."""
+
+    @pytest.mark.parametrize("value", [2.0**-126, 2.0**126])
+    def test_extreme_static_scales_unscale_to_normal_numbers(self, value):
+        ls = lossscale.StaticLossScale(value)
+        one = ls.unscale(ls.scale(jnp.float32(1.0)))
+        assert float(one) == 1.0
+        tiny = float(jnp.finfo(jnp.float32).tiny)
+        assert tiny <= float(ls.unscale(jnp.float32(1.0))) < np.inf
+
+    @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, 0.0, -3.0])
+    def test_traced_dynamic_scale_is_clamped(self, bad):
+        def make(v):
+            ls = lossscale.DynamicLossScale(
+                v, min_loss_scale=2.0, max_loss_scale=2.0**20
+            )
+            return ls.loss_scale, ls.adjust(jnp.bool_(False)).loss_scale
+
+        initial, backed = jax.jit(make)(jnp.float32(bad))
+        # NaN maps to the floor, like everything below it.
+        want = 2.0**20 if bad == np.inf else 2.0
+        assert float(initial) == want
+        assert np.isfinite(float(backed)) and float(backed) >= 2.0
+
+    def test_nan_scale_in_the_state_becomes_the_floor(self):
+        ls = lossscale.DynamicLossScale(8.0, min_loss_scale=2.0)
+        corrupt = jax.tree.map(
+            lambda x: jnp.float32(np.nan) if x.dtype == np.float32 else x, ls
+        )
+        for finite in (True, False):
+            out = jax.jit(lambda s, f: s.adjust(f))(corrupt, jnp.bool_(finite))
+            assert float(out.loss_scale) == 2.0
+            assert bool(out.metrics()["at_min_scale"])
+
+    @pytest.mark.parametrize("bad", [np.nan, np.inf, 0.0, 1e-45])
+    def test_traced_static_scale_is_clamped(self, bad):
+        value = jax.jit(lambda v: lossscale.StaticLossScale(v).loss_scale)(
+            jnp.float32(bad)
+        )
+        value = float(value)
+        if np.isnan(bad):
+            assert value == 1.0
+        else:
+            assert 2.0**-126 <= value <= 2.0**126
+
+
+class TestOnMinScale:
+    """on_min_scale="error" fires for scales that can never go lower."""
+
+    @pytest.mark.parametrize(
+        "ls",
+        [lossscale.StaticLossScale(8.0), lossscale.NoOpLossScale()],
+        ids=["static", "noop"],
+    )
+    def test_fires_after_patience_under_jit(self, ls):
+        tx = lossscale.loss_scaled(
+            optax.sgd(0.1), ls, on_min_scale="error", min_scale_patience=3
+        )
+        params = jnp.zeros(2)
+        state = tx.init(params)
+        update = jax.jit(tx.update)
+        bad = jnp.full(2, jnp.nan)
+        for _ in range(2):  # below the patience: no error
+            _, state = update(bad, state, params)
+            jax.block_until_ready(state)
+        assert int(state.consecutive_skips) == 2
+        with pytest.raises(Exception, match="3 consecutive steps"):
+            _, state = update(bad, state, params)
+            jax.block_until_ready(state)
+
+    def test_metrics_say_static_scales_are_at_their_minimum(self):
+        for ls in (lossscale.StaticLossScale(8.0), lossscale.NoOpLossScale()):
+            tx = lossscale.loss_scaled(optax.sgd(0.1), ls)
+            assert bool(
+                lossscale.metrics(tx.init(jnp.zeros(1)))["at_min_scale"]
+            )

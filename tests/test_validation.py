@@ -2,6 +2,7 @@
 
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -66,9 +67,13 @@ DYNAMIC_BAD = [
     ("min_loss_scale", -1.0, ValueError),
     ("min_loss_scale", float("nan"), ValueError),
     ("min_loss_scale", None, TypeError),
+    ("min_loss_scale", 1e-40, ValueError),  # its reciprocal is inf
     ("max_loss_scale", float("inf"), ValueError),
     ("max_loss_scale", 1e39, ValueError),
+    ("max_loss_scale", 3e38, ValueError),  # its reciprocal is subnormal
     ("max_loss_scale", 0.0, ValueError),
+    ("backoff_factor", 1 - 1e-9, ValueError),  # 1.0 in float32: no backoff
+    ("growth_factor", 1 + 1e-9, ValueError),  # 1.0 in float32: no growth
 ]
 
 
@@ -157,6 +162,12 @@ def test_loss_scaled_bad_loss_scale(ls, message):
         (("data", None), TypeError),
         (("data", ["model"]), TypeError),
         ({"data"}, TypeError),
+        # Collectives read an int as a positional axis: refused.
+        (0, TypeError),
+        (3, TypeError),
+        (("data", 1), TypeError),
+        (np.int32(0), TypeError),
+        (True, TypeError),
     ],
 )
 def test_bad_axis_name(axis_name, error):
@@ -202,3 +213,92 @@ def test_static_scale_accepts_numpy_and_int():
         ls = lossscale.StaticLossScale(value)
         assert jnp.asarray(ls.loss_scale).dtype == jnp.float32
         assert float(ls.loss_scale) == 4.0
+
+
+def test_int_axis_name_message_says_why():
+    with pytest.raises(TypeError, match="never ints"):
+        lossscale.loss_scaled(INNER, LS, axis_name=0)
+
+
+def test_config_reads_back_as_given():
+    ls = lossscale.DynamicLossScale(
+        8.0,
+        growth_factor=1.1,
+        backoff_factor=0.8,
+        min_loss_scale=0.3,
+        max_loss_scale=1e6,
+    )
+    assert ls.backoff_factor == 0.8  # not 0.800000011920929
+    assert ls.growth_factor == 1.1
+    assert ls.min_loss_scale == 0.3
+    assert ls.max_loss_scale == 1e6
+    assert jax.jit(lambda s: s)(ls).backoff_factor == 0.8
+    # The arithmetic is float32: 8 * 0.8 rounded to float32.
+    backed = ls.adjust(jnp.bool_(False)).loss_scale
+    assert float(backed) == float(np.float32(8.0) * np.float32(0.8))
+
+
+class _NoFloorPolicy:
+    """A custom policy that reports nothing about its minimum."""
+
+    loss_scale = jnp.float32(4.0)
+
+    def scale(self, tree):
+        return tree
+
+    def unscale(self, tree):
+        return tree
+
+    def adjust(self, grads_finite):
+        return self
+
+
+def test_on_min_scale_error_needs_a_policy_that_knows_its_minimum():
+    with pytest.raises(ValueError, match="at_min_scale") as info:
+        lossscale.loss_scaled(INNER, _NoFloorPolicy(), on_min_scale="error")
+    assert "on_min_scale" in str(info.value)
+    # Accepted with "ignore", and with every built-in scale.
+    lossscale.loss_scaled(INNER, _NoFloorPolicy())
+    for ls in (
+        lossscale.NoOpLossScale(),
+        lossscale.StaticLossScale(8.0),
+        lossscale.DynamicLossScale(),
+    ):
+        lossscale.loss_scaled(INNER, ls, on_min_scale="error")
+
+
+def test_report_nonfinite_must_be_a_bool():
+    with pytest.raises(TypeError, match="report_nonfinite"):
+        lossscale.loss_scaled(INNER, LS, report_nonfinite="yes")
+
+
+@pytest.mark.parametrize(
+    "ls",
+    [
+        lossscale.DynamicLossScale(0.5, min_loss_scale=2.0**-8),
+        lossscale.StaticLossScale(0.5),
+    ],
+    ids=["dynamic", "static"],
+)
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float8_e4m3fn])
+def test_narrow_gradients_under_a_scale_below_one_are_refused(ls, dtype):
+    """Unscaling a finite float16 gradient by 0.5 can overflow float16.
+
+    Backing off would only make that worse: every step would be skipped
+    while the gradients are finite. Refused at trace time instead.
+    """
+    tx = lossscale.loss_scaled(optax.sgd(0.1), ls)
+    params = {"w": jnp.ones(3, dtype), "b": jnp.ones(2, jnp.float32)}
+    state = tx.init(params)
+    with pytest.raises(ValueError, match=r"\['w'\].*can go down to 0\.\d+ < 1"):
+        jax.jit(tx.update)(params, state, params)
+    # float32 (and bfloat16) gradients have float32's range: accepted.
+    wide = {"w": jnp.ones(3, jnp.bfloat16), "b": jnp.ones(2, jnp.float32)}
+    tx.update(wide, tx.init(wide), wide)
+
+
+def test_narrow_gradients_with_a_floor_of_one_are_accepted():
+    tx = lossscale.loss_scaled(optax.sgd(0.1), lossscale.DynamicLossScale())
+    params = {"w": jnp.full(3, 60000.0, jnp.float16)}
+    _, state = jax.jit(tx.update)(params, tx.init(params), params)
+    assert bool(state.grads_finite)  # 60000 / 2**16 is finite in float16
