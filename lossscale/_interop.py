@@ -1,12 +1,15 @@
 """Interoperation with flax, without depending on it.
 
-flax is optional: nothing here imports it unless it is installed, and the
-package works the same without it.
+flax is optional and never imported here: the package works the same
+without it, and ``import lossscale`` stays as cheap as ``import optax``.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import importlib.util
+import sys
 from typing import Any
 
 import jax
@@ -38,24 +41,60 @@ def unwrap_variables(tree: Any) -> Any:
 
 
 def register_flax_serialization(classes: tuple[type, ...]) -> bool:
-    """Teaches ``flax.serialization`` the loss-scale classes, if flax exists.
+    """Teaches ``flax.serialization`` the loss-scale classes, once imported.
 
-    The state dict of a loss scale holds its leaves (the scale and the
-    counters) by field name; restoring takes the configuration from the
-    target, as for every flax/optax state.
+    lossscale does not import flax (that would cost every user the import
+    of a model library). If ``flax.serialization`` is already imported, the
+    classes are registered now; otherwise as soon as it is, by a one-shot
+    import hook. The state dict of a loss scale holds its leaves (the scale
+    and the counters) by field name; restoring takes the configuration from
+    the target, as for every flax/optax state.
 
     Returns:
-        Whether flax was found and the classes registered.
+        Whether the classes were registered now (else on flax's import).
     """
-    if importlib.util.find_spec("flax") is None:
-        return False
-    try:
-        from flax import serialization
-    except Exception:  # a broken flax install must not break lossscale
-        return False
+    module = sys.modules.get("flax.serialization")
+    if module is not None:
+        _register(module, classes)
+        return True
+    sys.meta_path.insert(0, _AfterImport("flax.serialization", classes))
+    return False
 
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Registers ``classes`` right after ``name`` is first imported."""
+
+    def __init__(self, name: str, classes: tuple[type, ...]):
+        self.name = name
+        self.classes = classes
+
+    def find_spec(
+        self, fullname: str, path: Any, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # one shot, and no recursion below
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        classes = self.classes
+
+        class Loader(importlib.abc.Loader):
+            def create_module(self, spec):
+                return loader.create_module(spec)
+
+            def exec_module(self, module):
+                loader.exec_module(module)
+                _register(module, classes)
+
+        spec.loader = Loader()
+        return spec
+
+
+def _register(serialization: Any, classes: tuple[type, ...]) -> None:
     for cls in classes:
-        fields = cls._data_fields
+        fields = cls._data_fields  # type: ignore[attr-defined]
 
         def to_state_dict(obj, fields=fields):
             return {
@@ -81,4 +120,3 @@ def register_flax_serialization(classes: tuple[type, ...]) -> bool:
         serialization.register_serialization_state(
             cls, to_state_dict, from_state_dict, override=True
         )
-    return True

@@ -1,6 +1,8 @@
 """Checkpointing: orbax and flax.serialization, resumed bit-for-bit."""
 
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -125,3 +127,44 @@ def test_no_pickle_in_the_package():
     root = pathlib.Path(lossscale.__file__).parent
     for path in root.rglob("*.py"):
         assert "pickle" not in path.read_text(), path
+
+
+ROUND_TRIP = """
+import jax.numpy as jnp
+import optax
+from flax import serialization
+import lossscale
+tx = lossscale.loss_scaled(optax.adam(0.1), lossscale.DynamicLossScale(8.0))
+state = tx.init({"w": jnp.ones(2)})
+state = state._replace(loss_scale=state.loss_scale.adjust(jnp.bool_(False)))
+restored = serialization.from_bytes(
+    tx.init({"w": jnp.zeros(2)}), serialization.to_bytes(state)
+)
+assert float(restored.loss_scale.loss_scale) == 4.0, restored
+print("ok")
+"""
+
+
+def run_fresh(code):
+    """Runs ``code`` in a new Python process; returns its stdout."""
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=pathlib.Path(__file__).resolve().parent.parent,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_import_lossscale_does_not_import_flax():
+    out = run_fresh("import sys, lossscale; print('flax' in sys.modules)")
+    assert out.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    "first", ["import lossscale", "import flax.serialization"]
+)
+def test_flax_serialization_in_either_import_order(first):
+    assert run_fresh(first + "\n" + ROUND_TRIP).strip() == "ok"
