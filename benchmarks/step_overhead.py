@@ -30,8 +30,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import importlib.util
 import pathlib
 import platform
+import re
 import statistics
 import time
 
@@ -45,6 +47,17 @@ from lossscale import _transform
 
 HERE = pathlib.Path(__file__).resolve().parent
 LEAVES = 40
+
+
+def _load(name: str):
+    """A module of this folder (run as a script or loaded by the tests)."""
+    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+transformer = _load("transformer")
 
 
 def make_params(n_params: int, leaves: int = LEAVES, dtype=jnp.float32):
@@ -294,6 +307,159 @@ def full_step(width: int, depth: int, batch: int, rounds: int, calls: int):
     return interleaved(fns, states, (), rounds, calls)
 
 
+# --- a transformer: whole train steps, compile time, kernels ----------------
+
+SCALE = 2.0**10
+
+
+def by_hand_step(inner):
+    """Plain optax with the loss scaled by hand: the baseline train step."""
+
+    def init(params):
+        return inner.init(params)
+
+    def step(params, state, grads):
+        grads = jax.tree.map(lambda g: g * (1 / SCALE), grads)
+        updates, state = inner.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return init, step
+
+
+# The scale each variant's state asks the next forward pass for.
+SCALE_OF = {
+    "plain optax, loss scaled by hand": lambda state: SCALE,
+    "lossscale": lambda state: lossscale.get_loss_scale(state).loss_scale,
+    "lossscale (cond)": lambda s: lossscale.get_loss_scale(s).loss_scale,
+    "jmp": lambda state: state[1].loss_scale,
+    "flax DynamicScale": lambda state: state[1].scale,
+    "optax.apply_if_finite": lambda state: state[1],
+}
+TRAIN_VARIANTS = {
+    "plain optax, loss scaled by hand": by_hand_step,
+    **{k: v for k, v in OPTIMIZER_VARIANTS.items() if k != "plain optax"},
+}
+
+
+def train_steps(make_inner, loss_fn, names=None):
+    """Whole train steps (scaled loss, grad, update) for each variant."""
+    steps = {}
+    for name in names or TRAIN_VARIANTS:
+        init, opt_step = TRAIN_VARIANTS[name](make_inner())
+        scale_of = SCALE_OF[name]
+
+        def step(params, state, batch, opt_step=opt_step, scale_of=scale_of):
+            scale = scale_of(state)
+            grads = jax.grad(lambda p: loss_fn(p, batch) * scale)(params)
+            return opt_step(params, state, grads)
+
+        steps[name] = (init, step)
+    return steps
+
+
+def adamw():
+    return optax.adamw(1e-3, weight_decay=0.1)
+
+
+def clipped_adamw():
+    return optax.chain(optax.clip_by_global_norm(1.0), adamw())
+
+
+def transformer_compile(layers: int, *, scan: bool, clip: bool, rounds: int):
+    """Trace, then lower and compile a whole transformer train step."""
+    params = transformer.init(jax.random.key(0), layers, scan=scan)
+    batch = transformer.batch()
+    loss_fn = functools.partial(transformer.loss_fn, scan=scan)
+    # jmp's DynamicLossScale cannot be lowered ahead of time (see
+    # peak_memory), which is how compile time is split from tracing here.
+    names = [name for name in TRAIN_VARIANTS if name != "jmp"]
+    steps = train_steps(clipped_adamw if clip else adamw, loss_fn, names)
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, (init, step) in steps.items():
+            state = init(params)
+            jax.clear_caches()
+            start = time.perf_counter()
+            traced = jax.jit(step, donate_argnums=(0, 1)).trace(
+                params, state, batch
+            )
+            middle = time.perf_counter()
+            traced.lower().compile()
+            times[name].append((middle - start, time.perf_counter() - middle))
+    return split_times(times)
+
+
+def split_times(times: dict) -> dict:
+    """Median trace, compile and total time; median ratio of the totals."""
+    base = np.asarray([t + c for t, c in next(iter(times.values()))])
+    return {
+        name: (
+            statistics.median(t for t, _ in parts) * 1e3,
+            statistics.median(c for _, c in parts) * 1e3,
+            statistics.median(t + c for t, c in parts) * 1e3,
+            float(np.median(np.asarray([t + c for t, c in parts]) / base)),
+        )
+        for name, parts in times.items()
+    }
+
+
+def transformer_step_time(layers: int, *, scan: bool, rounds: int, calls: int):
+    params = transformer.init(jax.random.key(0), layers, scan=scan)
+    batch = transformer.batch()
+    loss_fn = functools.partial(transformer.loss_fn, scan=scan)
+    steps = train_steps(adamw, loss_fn)
+    fns, states = {}, {}
+    for name, (init, step) in steps.items():
+        fns[name] = jax.jit(step, donate_argnums=(0, 1))
+        states[name] = (jax.tree.map(jnp.copy, params), init(params))
+    return interleaved(fns, states, (batch,), rounds, calls)
+
+
+def kernels(compiled) -> int:
+    """The fusions (kernels) in a compiled program, counted in its HLO."""
+    return len(re.findall(r"= \S+ fusion\(", compiled.as_text()))
+
+
+def transformer_kernels(layer_counts, *, scan: bool):
+    """Kernels of plain optax's step, and those lossscale adds to it."""
+    names = ["plain optax, loss scaled by hand", "lossscale"]
+    rows = {}
+    for clip in (False, True):
+        for layers in layer_counts:
+            params = transformer.init(jax.random.key(0), layers, scan=scan)
+            batch = transformer.batch()
+            loss_fn = functools.partial(transformer.loss_fn, scan=scan)
+            steps = train_steps(
+                clipped_adamw if clip else adamw, loss_fn, names
+            )
+            counts = []
+            for name in names:
+                init, step = steps[name]
+                compiled = (
+                    jax.jit(step, donate_argnums=(0, 1))
+                    .lower(params, init(params), batch)
+                    .compile()
+                )
+                counts.append(kernels(compiled))
+            leaves = len(jax.tree.leaves(params))
+            label = f"{layers} layers, {leaves} leaves"
+            label += ", clip_by_global_norm + adamw" if clip else ", adamw"
+            rows[label] = (counts[0], counts[1], counts[1] - counts[0])
+    return rows
+
+
+def count_table(title: str, rows: dict) -> str:
+    lines = [
+        f"### {title}",
+        "",
+        "| step | plain optax | lossscale | added by lossscale |",
+        "|---|---|---|---|",
+    ]
+    for name, (plain, ours, added) in rows.items():
+        lines.append(f"| {name} | {plain} | {ours} | {added} |")
+    return "\n".join(lines) + "\n"
+
+
 # --- compile time and memory ------------------------------------------------
 
 
@@ -339,16 +505,7 @@ def compile_time(leaves: int, rounds: int):
             middle = time.perf_counter()
             traced.lower().compile()
             times[name].append((middle - start, time.perf_counter() - middle))
-    base = np.asarray([t + c for t, c in times["plain optax"]])
-    return {
-        name: (
-            statistics.median(t for t, _ in parts) * 1e3,
-            statistics.median(c for _, c in parts) * 1e3,
-            statistics.median(t + c for t, c in parts) * 1e3,
-            float(np.median(np.asarray([t + c for t, c in parts]) / base)),
-        )
-        for name, parts in times.items()
-    }
+    return split_times(times)
 
 
 def peak_memory(n_params: int):
@@ -479,21 +636,33 @@ def machine() -> str:
     )
 
 
+SECTIONS = ("optimizer", "mlp", "transformer", "compile", "memory")
+
+
 def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke test")
     parser.add_argument("--out", type=pathlib.Path, default=HERE / "RESULTS.md")
+    parser.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated subset of {','.join(SECTIONS)}",
+    )
     args = parser.parse_args(argv)
+    sections = set(args.sections.split(","))
+    if not sections <= set(SECTIONS):
+        parser.error(f"--sections must name some of {','.join(SECTIONS)}")
     command = "python benchmarks/step_overhead.py" + (
         " --quick" if args.quick else ""
     )
     if args.quick:
         sizes, rounds, calls = [100_000], 2, 1
         mlp, compile_leaves, compile_rounds = (128, 2, 32), 20, 1
+        layers, kernel_layers = 2, (1, 2)
     else:
         sizes, rounds, calls = [1_000_000, 10_000_000, 20_000_000], 9, 3
         mlp, compile_leaves, compile_rounds = (1024, 4, 256), 500, 3
-
+        layers, kernel_layers = 12, (12, 24)
     parts = [
         "# Benchmark results",
         "",
@@ -503,10 +672,10 @@ def main(argv=None) -> str:
         "plain optax in the same round; lower is better. Produced by "
         f"`{command}`.",
         "",
-        "## Optimizer-only step (adam, float32, 40 leaves)",
-        "",
     ]
-    for n in sizes:
+    for n in sizes if "optimizer" in sections else []:
+        if n == sizes[0]:
+            parts += ["## Optimizer-only step (adam, float32, 40 leaves)", ""]
         for overflow in (False, True):
             path = (
                 "skip path (an inf in the gradients)"
@@ -517,34 +686,89 @@ def main(argv=None) -> str:
                 n, overflow=overflow, rounds=rounds, calls=calls
             )
             parts.append(table(f"{n / 1e6:g}M parameters, {path}", rows, "ms"))
-    parts += [
-        "## Full train step (float16-compute MLP: forward, backward, adam)",
-        "",
-        table(
-            f"width {mlp[0]}, depth {mlp[1]}, batch {mlp[2]}",
-            full_step(*mlp, rounds=rounds, calls=calls),
-            "ms",
-        ),
-        "## Compile time",
-        "",
-        table(
-            f"{compile_leaves}-leaf parameter tree",
-            compile_time(compile_leaves, compile_rounds),
-            "trace ms",
-            "lower + compile ms",
-            "total ms",
-        ),
-        "## Peak memory (XLA buffer analysis of the compiled step)",
-        "",
-        table(
-            f"{sizes[-1] / 1e6:g}M parameters", peak_memory(sizes[-1]), "MiB"
-        ),
-    ]
+    if "mlp" in sections:
+        parts += [
+            "## Full train step (float16-compute MLP: forward, backward, adam)",
+            "",
+            table(
+                f"width {mlp[0]}, depth {mlp[1]}, batch {mlp[2]}",
+                full_step(*mlp, rounds=rounds, calls=calls),
+                "ms",
+            ),
+        ]
+    if "transformer" in sections:
+        parts += transformer_sections(layers, kernel_layers, rounds, calls)
+    if "compile" in sections:
+        parts += [
+            "## Compile time",
+            "",
+            table(
+                f"{compile_leaves}-leaf parameter tree",
+                compile_time(compile_leaves, compile_rounds),
+                "trace ms",
+                "lower + compile ms",
+                "total ms",
+            ),
+        ]
+    if "memory" in sections:
+        parts += [
+            "## Peak memory (XLA buffer analysis of the compiled step)",
+            "",
+            table(
+                f"{sizes[-1] / 1e6:g}M parameters",
+                peak_memory(sizes[-1]),
+                "MiB",
+            ),
+        ]
     parts.append(NOTES)
     report = "\n".join(parts)
     args.out.write_text(report)
     print(report)
     return report
+
+
+def transformer_sections(layers, kernel_layers, rounds, calls) -> list[str]:
+    gpt = f"{layers}-layer transformer"
+    compile_rounds = max(1, rounds // 3)
+    parts = [
+        "## A transformer train step (float16 compute, float32 weights)",
+        "",
+        "Whole train steps (forward, backward, adamw), jitted with donation; "
+        "the baseline scales the loss by hand and checks nothing. "
+        "Compile time is tracing, then lowering and compiling.",
+        "",
+    ]
+    for scan in (False, True):
+        layout = "layers under lax.scan" if scan else "a loop of layers"
+        for clip in (False, True):
+            chain = "clip_by_global_norm + adamw" if clip else "adamw"
+            parts.append(
+                table(
+                    f"Compile time: {gpt}, {layout}, {chain}",
+                    transformer_compile(
+                        layers, scan=scan, clip=clip, rounds=compile_rounds
+                    ),
+                    "trace ms",
+                    "lower + compile ms",
+                    "total ms",
+                )
+            )
+        parts.append(
+            table(
+                f"Step time: {gpt}, {layout}, adamw",
+                transformer_step_time(
+                    layers, scan=scan, rounds=rounds, calls=calls
+                ),
+                "ms",
+            )
+        )
+        parts.append(
+            count_table(
+                f"Kernels in the compiled step: {layout}",
+                transformer_kernels(kernel_layers, scan=scan),
+            )
+        )
+    return parts
 
 
 if __name__ == "__main__":
