@@ -86,14 +86,14 @@ def plain_step(inner):
     return init, step
 
 
-def loss_scaled(inner, loss_scale, impl="select"):
+def loss_scaled(inner, loss_scale, impl="select", **kwargs):
     """``lossscale.loss_scaled`` with the skip made by ``impl``."""
     with _transform.skip_impl(impl):
-        return lossscale.loss_scaled(inner, loss_scale)
+        return lossscale.loss_scaled(inner, loss_scale, **kwargs)
 
 
-def lossscale_step(inner, impl="select"):
-    tx = loss_scaled(inner, lossscale.DynamicLossScale(), impl)
+def lossscale_step(inner, impl="select", **kwargs):
+    tx = loss_scaled(inner, lossscale.DynamicLossScale(), impl, **kwargs)
 
     def step(params, state, grads):
         updates, state = tx.update(grads, state, params)
@@ -185,6 +185,9 @@ OPTIMIZER_VARIANTS = {
     "plain optax": plain_step,
     "lossscale": lossscale_step,
     "lossscale (cond)": functools.partial(lossscale_step, impl="cond"),
+    "lossscale, report_nonfinite": functools.partial(
+        lossscale_step, report_nonfinite=True
+    ),
     "jmp": jmp_step,
     "flax DynamicScale": flax_step,
     "optax.apply_if_finite": optax_aif_step,
@@ -331,6 +334,9 @@ SCALE_OF = {
     "plain optax, loss scaled by hand": lambda state: SCALE,
     "lossscale": lambda state: lossscale.get_loss_scale(state).loss_scale,
     "lossscale (cond)": lambda s: lossscale.get_loss_scale(s).loss_scale,
+    "lossscale, report_nonfinite": lambda s: (
+        lossscale.get_loss_scale(s).loss_scale
+    ),
     "jmp": lambda state: state[1].loss_scale,
     "flax DynamicScale": lambda state: state[1].scale,
     "optax.apply_if_finite": lambda state: state[1],

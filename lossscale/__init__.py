@@ -24,7 +24,7 @@ from lossscale._transform import (
 )
 from lossscale._tree import select_tree
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 _interop.register_flax_serialization(
     (NoOpLossScale, StaticLossScale, DynamicLossScale)

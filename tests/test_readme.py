@@ -23,7 +23,21 @@ def test_readme_python_blocks_run(capsys):
     assert int(metrics["skipped_steps"]) == 2
     assert float(metrics["loss_scale"]) == 2.0**14
     assert namespace["params"]["w"].ravel().tolist() != [0.0] * 4
-    assert bool(namespace["nnx_metrics"]["grads_finite"])
+
+
+def test_readme_links_exist_and_fit_in_15_kb():
+    text = README.read_text()
+    assert len(text.encode()) <= 15 * 1024
+    for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
+        assert (README.parent / target).exists(), target
+
+
+def test_readme_speaks_of_float16_parameters_and_the_guarantees():
+    guarantees = (
+        README.parent / "docs" / "guide" / "guarantees.md"
+    ).read_text()
+    assert "float32 master weights" in guarantees
+    assert "What is not checked" in guarantees
 
 
 def test_ci_runs_the_readme_test_command():

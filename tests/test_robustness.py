@@ -233,3 +233,22 @@ class TestOnMinScale:
             assert bool(
                 lossscale.metrics(tx.init(jnp.zeros(1)))["at_min_scale"]
             )
+
+
+def test_float16_parameters():
+    """The documented limit: the inner optimizer's arithmetic is unchecked.
+
+    With float16 parameters (hence a float16 Adam state), a finite gradient
+    of 1e-4 squares to 0 in float16 and eps (1e-8) is 0 too: the update is
+    inf, and it is applied. float32 master weights, given the very same
+    float16 gradient, update finitely.
+    """
+    tx = lossscale.loss_scaled(optax.adam(1e-3), lossscale.StaticLossScale(1.0))
+    grads = jnp.full(3, 1e-4, jnp.float16)
+    for dtype, finite_update in ((jnp.float16, False), (jnp.float32, True)):
+        params = jnp.zeros(3, dtype)
+        updates, state = jax.jit(tx.update)(
+            grads.astype(dtype), tx.init(params), params
+        )
+        assert bool(state.grads_finite)  # the gradients were finite
+        assert bool(jnp.isfinite(updates).all()) == finite_update, dtype
