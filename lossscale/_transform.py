@@ -93,7 +93,7 @@ def skip_impl(impl: _skip.Impl) -> Iterator[None]:
         _SKIP_IMPL.reset(token)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class _Spec:
     """The validated static configuration of one transformation."""
 
