@@ -18,12 +18,7 @@ import contextlib
 import contextvars
 import dataclasses
 import gc
-from collections.abc import (
-    Callable,
-    Hashable,
-    Iterator,
-    Mapping,
-)
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any, Literal, NamedTuple, cast
 
 import jax
