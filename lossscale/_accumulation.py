@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +58,9 @@ class MultiSteps(optax.MultiSteps):
         return new_updates, new_state._replace(acc_grads=acc_grads)
 
     def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
+        # update takes a MultiStepsState (from init) where optax's protocol
+        # says any OptState, as optax.MultiSteps.update does.
         return optax.GradientTransformationExtraArgs(
-            init=self.init, update=self.update
+            init=self.init,
+            update=cast(optax.TransformUpdateExtraArgsFn, self.update),
         )

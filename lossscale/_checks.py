@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +54,10 @@ def scalar_float(name: str, value: Any) -> Any:
             f"{name} must have a real floating or integer dtype, got "
             f"{name} with dtype {dtype}."
         )
+    # A real number or an array of a real dtype from here on. The isinstance
+    # above narrowed it to numbers.Real, which numpy's stubs do not count as
+    # array-like (np.ndim and np.shape take any object).
+    value = cast(Any, value)
     if np.ndim(value) != 0:
         raise ValueError(
             f"{name} must be a scalar, got {name} with shape {np.shape(value)}."

@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
@@ -156,9 +157,11 @@ def bind_equation(eqn: Any, invals: Sequence[Any]) -> list[Any]:
 
 def enable_x64() -> contextlib.AbstractContextManager[Any]:
     """A context with float64 enabled."""
+    # Each branch exists in only some supported JAX versions, and pyright
+    # checks against the one installed: the ignores are for the other one.
     if hasattr(jax, "enable_x64"):  # jax >= 0.8
-        return jax.enable_x64(True)
-    from jax.experimental import enable_x64 as legacy
+        return jax.enable_x64(True)  # pyright: ignore[reportAttributeAccessIssue]
+    from jax.experimental import enable_x64 as legacy  # pyright: ignore[reportAttributeAccessIssue]
 
     return legacy(True)
 
@@ -177,6 +180,8 @@ def explicit_mesh(shape: Sequence[int], names: Sequence[str]) -> Any:
 @contextlib.contextmanager
 def set_mesh(mesh: Any) -> Iterator[None]:
     """``jax.set_mesh(mesh)`` (``jax.sharding.use_mesh`` before jax 0.8)."""
-    setter = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh
+    # jax.sharding.use_mesh is gone from the newest JAX (pyright checks
+    # against the installed one), but it is all that jax 0.7 has.
+    setter = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh  # pyright: ignore[reportAttributeAccessIssue]
     with setter(mesh):
         yield

@@ -58,8 +58,8 @@ def diagnose(
     params: Any,
     *args: Any,
     reference_loss_fn: Callable[..., jax.Array] | None = None,
-    scales: Sequence[float] | None = None,
-    dtype: Any = jnp.float16,
+    scales: Sequence[float] | np.ndarray | None = None,
+    dtype: jax.typing.DTypeLike = jnp.float16,
     headroom: float = 2.0,
 ) -> Diagnosis:
     """Measures overflow and underflow of the gradients for candidate scales.
@@ -131,7 +131,7 @@ def diagnose(
     total = sum(r.size for r in ref_nonzero)
 
     @jax.jit
-    def scaled_grads(scale):
+    def scaled_grads(scale: jax.Array) -> list[jax.Array]:
         ls = StaticLossScale(scale)
         grads = jax.grad(lambda p: ls.scale(loss_fn(p, *args)))(params)
         return [

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
@@ -39,7 +39,9 @@ def leaf_finite(x: jax.Array) -> jax.Array:
 _OPERANDS = 16
 
 
-def _and_each(a: Sequence[jax.Array], b: Sequence[jax.Array]) -> tuple:
+def _and_each(
+    a: Sequence[jax.Array], b: Sequence[jax.Array]
+) -> tuple[jax.Array, ...]:
     return tuple(x & y for x, y in zip(a, b, strict=True))
 
 
@@ -165,7 +167,9 @@ def check(
     groups = [[jnp.asarray(x) for x in group] for group in groups]
     sizes = [len(group) for group in groups]
 
-    def flags(platform_flags) -> jax.Array:
+    def flags(
+        platform_flags: Callable[[Sequence[jax.Array]], list[jax.Array]],
+    ) -> jax.Array:
         # Per-leaf flags (concatenated) if per_leaf, else per-group ones.
         out = [platform_flags(group) for group in groups]
         if per_leaf:

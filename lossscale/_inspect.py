@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -134,7 +135,9 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
     for label, scale in scales.items() if grouped else [(None, scales)]:
         suffix = "" if label is None else f"/{label}"
         out["loss_scale" + suffix] = jnp.asarray(scale.loss_scale, jnp.float32)
-        extra = getattr(scale, "metrics", None)
+        extra: Callable[[], Mapping[str, jax.Array]] | None = getattr(
+            scale, "metrics", None
+        )
         if callable(extra):
             out.update({k + suffix: v for k, v in extra().items()})
     return out

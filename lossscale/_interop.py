@@ -10,6 +10,8 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
+import types
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -64,7 +66,7 @@ def register_flax_serialization(classes: tuple[type, ...]) -> bool:
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Registers ``classes`` right after ``name`` is first imported."""
 
-    def __init__(self, name: str, classes: tuple[type, ...]):
+    def __init__(self, name: str, classes: tuple[type, ...]) -> None:
         self.name = name
         self.classes = classes
 
@@ -81,10 +83,12 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         classes = self.classes
 
         class Loader(importlib.abc.Loader):
-            def create_module(self, spec):
+            def create_module(
+                self, spec: importlib.machinery.ModuleSpec
+            ) -> types.ModuleType | None:
                 return loader.create_module(spec)
 
-            def exec_module(self, module):
+            def exec_module(self, module: types.ModuleType) -> None:
                 loader.exec_module(module)
                 _register(module, classes)
 
@@ -94,15 +98,21 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 def _register(serialization: Any, classes: tuple[type, ...]) -> None:
     for cls in classes:
-        fields = cls._data_fields  # type: ignore[attr-defined]
+        fields: tuple[str, ...] = cls._data_fields  # type: ignore[attr-defined]
 
-        def to_state_dict(obj, fields=fields):
+        def to_state_dict(
+            obj: Any, fields: tuple[str, ...] = fields
+        ) -> dict[str, Any]:
             return {
                 name: serialization.to_state_dict(getattr(obj, name))
                 for name in fields
             }
 
-        def from_state_dict(target, state, fields=fields):
+        def from_state_dict(
+            target: Any,
+            state: Mapping[str, Any],
+            fields: tuple[str, ...] = fields,
+        ) -> Any:
             missing = set(fields) - set(state)
             if missing:
                 raise ValueError(

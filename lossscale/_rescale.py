@@ -15,11 +15,11 @@ def _rescale(tree: Any, factor: jax.Array) -> Any:
     return tree
 
 
-def _rescale_fwd(tree, factor):
+def _rescale_fwd(tree: Any, factor: jax.Array) -> tuple[Any, jax.Array]:
     return tree, factor
 
 
-def _rescale_bwd(factor, cotangent):
+def _rescale_bwd(factor: jax.Array, cotangent: Any) -> tuple[Any, jax.Array]:
     scaled = jax.tree.map(
         lambda g: _tree.multiply_keep_dtype(g, factor), cotangent
     )

@@ -10,7 +10,15 @@ never traced.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from collections.abc import Iterable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Protocol,
+    TypeVar,
+    cast,
+    runtime_checkable,
+)
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +26,12 @@ import numpy as np
 
 from lossscale import _checks, _tree
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 T = TypeVar("T")
 S = TypeVar("S", bound="LossScale")
+D = TypeVar("D", bound="DataclassInstance")
 
 _MARK = "lossscale_static"
 
@@ -37,24 +49,29 @@ def _register(cls: type[T]) -> type[T]:
     ``vmap`` and ``eval_shape`` rebuild states out of tracers, shape structs
     or ``None``.
     """
-    fields = dataclasses.fields(cls)
+    # A dataclass: _register is applied on top of @dataclasses.dataclass.
+    # pyright does not see the fields that decorator synthesizes while it
+    # evaluates the next one, hence the cast.
+    fields = dataclasses.fields(cast("type[DataclassInstance]", cls))
     data = tuple(f.name for f in fields if not f.metadata.get(_MARK))
     meta = tuple(f.name for f in fields if f.metadata.get(_MARK))
     keys = tuple(jax.tree_util.GetAttrKey(name) for name in data)
 
-    def flatten_with_keys(obj):
+    def flatten_with_keys(
+        obj: T,
+    ) -> tuple[tuple[tuple[Any, Any], ...], tuple[Any, ...]]:
         children = tuple(
             (k, getattr(obj, n)) for k, n in zip(keys, data, strict=True)
         )
         return children, tuple(getattr(obj, n) for n in meta)
 
-    def flatten(obj):
+    def flatten(obj: T) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         return (
             tuple(getattr(obj, n) for n in data),
             tuple(getattr(obj, n) for n in meta),
         )
 
-    def unflatten(aux, children):
+    def unflatten(aux: tuple[Any, ...], children: Iterable[Any]) -> T:
         obj = object.__new__(cls)
         for name, value in zip(data, children, strict=True):
             object.__setattr__(obj, name, value)
@@ -70,7 +87,7 @@ def _register(cls: type[T]) -> type[T]:
     return cls
 
 
-def _replace(obj: S, **changes: Any) -> S:
+def _replace(obj: D, **changes: Any) -> D:
     """A copy of ``obj`` with some fields changed, without re-validation."""
     new = object.__new__(type(obj))
     for field in dataclasses.fields(obj):
@@ -211,7 +228,7 @@ class StaticLossScale:
 
     loss_scale: jax.Array
 
-    def __init__(self, loss_scale: jax.typing.ArrayLike):
+    def __init__(self, loss_scale: jax.typing.ArrayLike) -> None:
         value = _checks.scale_value("loss_scale", loss_scale)
         if not _checks.is_concrete(value):
             value = _clamp(value, _checks.MIN_SCALE, _checks.MAX_SCALE, 1.0)
@@ -334,7 +351,7 @@ class DynamicLossScale:
         min_loss_scale: float = 1.0,
         max_loss_scale: float = 2.0**24,
         hysteresis: int = 1,
-    ):
+    ) -> None:
         growth_interval = _checks.positive_int(
             "growth_interval", growth_interval
         )

@@ -49,13 +49,14 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
 
 from lossscale import _compat
 
 Impl = Literal["select", "cond"]
 IMPLS: tuple[Impl, ...] = ("select", "cond")
-UpdateFn = Callable[[], tuple[Any, Any]]
+UpdateFn = Callable[[], tuple[optax.Updates, optax.OptState]]
 
 _NOT_STATE = object()
 
@@ -65,8 +66,12 @@ class UnsupportedJax(RuntimeError):
 
 
 def apply_if_finite(
-    finite: jax.Array, update: UpdateFn, old_state: Any, *, impl: Impl
-) -> tuple[Any, Any]:
+    finite: jax.Array,
+    update: UpdateFn,
+    old_state: optax.OptState,
+    *,
+    impl: Impl,
+) -> tuple[optax.Updates, optax.OptState]:
     """``update()`` if ``finite``, else zero updates and ``old_state``.
 
     Args:
@@ -152,8 +157,8 @@ def _select(finite: jax.Array, new: Any, old: Any) -> jax.Array:
 
 
 def select_update(
-    finite: jax.Array, update: UpdateFn, old_state: Any
-) -> tuple[Any, Any]:
+    finite: jax.Array, update: UpdateFn, old_state: optax.OptState
+) -> tuple[optax.Updates, optax.OptState]:
     """``update()`` if ``finite``, else zero updates and ``old_state``.
 
     Args:
@@ -228,11 +233,11 @@ def select_update(
 
 
 def cond_update(
-    finite: jax.Array, update: UpdateFn, old_state: Any
-) -> tuple[Any, Any]:
+    finite: jax.Array, update: UpdateFn, old_state: optax.OptState
+) -> tuple[optax.Updates, optax.OptState]:
     """:func:`select_update`'s contract, with ``lax.cond``."""
 
-    def skip() -> tuple[Any, Any]:
+    def skip() -> tuple[optax.Updates, optax.OptState]:
         # Zeros made by zeros_like from the updates themselves carry their
         # varying mapped axes under shard_map, which fresh jnp.zeros would
         # not; zeros_like has no data dependency, so XLA drops the update

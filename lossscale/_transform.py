@@ -18,8 +18,8 @@ import contextlib
 import contextvars
 import dataclasses
 import gc
-from collections.abc import Hashable, Iterator, Mapping, Sequence
-from typing import Any, Literal, NamedTuple
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from typing import Any, Literal, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -367,7 +367,9 @@ def _check_loss_scale(loss_scale: Any, name: str) -> LossScale:
 
 
 def _metrics_of(scale: Any) -> dict[str, jax.Array]:
-    metrics = getattr(scale, "metrics", None)
+    metrics: Callable[[], Mapping[str, jax.Array]] | None = getattr(
+        scale, "metrics", None
+    )
     return dict(metrics()) if callable(metrics) else {}
 
 
@@ -465,7 +467,7 @@ def _transformation(spec: _Spec) -> optax.GradientTransformationExtraArgs:
 
     def update_fn(
         updates: optax.Updates,
-        state: LossScaledState,
+        state: optax.OptState,
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, LossScaledState]:
@@ -477,7 +479,14 @@ def _transformation(spec: _Spec) -> optax.GradientTransformationExtraArgs:
         with _gc_paused():
             return _update(spec, updates, state, params, extra_args)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    # optax.OptState is a tree of ArrayLike leaves, with no room for a None
+    # leaf (an empty subtree to JAX), which LossScaledState.nonfinite is
+    # without report_nonfinite: the functions meet optax's protocols at run
+    # time, but not in optax's annotations.
+    return optax.GradientTransformationExtraArgs(
+        cast(optax.TransformInitFn, init_fn),
+        cast(optax.TransformUpdateExtraArgsFn, update_fn),
+    )
 
 
 @contextlib.contextmanager
@@ -503,11 +512,11 @@ def _gc_paused() -> Iterator[None]:
 
 def _update(
     spec: _Spec,
-    grads: Any,
+    grads: optax.Updates,
     state: LossScaledState,
-    params: Any,
+    params: optax.Params | None,
     extra_args: dict[str, Any],
-) -> tuple[Any, LossScaledState]:
+) -> tuple[optax.Updates, LossScaledState]:
     """One step: unscale, check, update or skip, adjust, count."""
     groups = _groups(spec, state.loss_scale)
     plan = _plan(spec, groups, grads)
@@ -578,7 +587,7 @@ class _Plan(NamedTuple):
     members: dict[Hashable, list[int]]  # group -> its unmasked floats
 
 
-def _plan(spec: _Spec, groups: Groups, grads: Any) -> _Plan:
+def _plan(spec: _Spec, groups: Groups, grads: optax.Updates) -> _Plan:
     """Assigns each floating, unmasked gradient leaf to its group.
 
     Also refuses, at trace time, float16 (or float8) gradients under a
@@ -624,7 +633,7 @@ class _Unscaled:
     computes none, so no arithmetic touches its non-finite gradients.
     """
 
-    def __init__(self, plan: _Plan, groups: Groups):
+    def __init__(self, plan: _Plan, groups: Groups) -> None:
         self._plan = plan
         self._groups = groups
         self._done: dict[Hashable, list[Any]] = {}
@@ -708,9 +717,9 @@ def _inner_update(
     plan: _Plan,
     unscaled: _Unscaled,
     state: LossScaledState,
-    params: Any,
+    params: optax.Params | None,
     extra_args: dict[str, Any],
-) -> tuple[Any, Any]:
+) -> tuple[optax.Updates, optax.OptState]:
     grads = plan.treedef.unflatten(unscaled.all())
     try:
         return spec.inner.update(grads, state.inner_state, params, **extra_args)
@@ -746,7 +755,10 @@ def _next_counters(
         consecutive_skips=jnp.where(
             skipped, optax.safe_increment(state.consecutive_skips), 0
         ).astype(jnp.int32),
-        steps=optax.safe_increment(state.steps).astype(jnp.int32),
+        # safe_increment returns a jax.Array, but is annotated ArrayLike.
+        steps=cast(jax.Array, optax.safe_increment(state.steps)).astype(
+            jnp.int32
+        ),
         last_skip_step=jnp.where(
             skipped, state.steps, state.last_skip_step
         ).astype(jnp.int32),
@@ -779,7 +791,11 @@ def _min_scale_alarm(
     )
 
 
-def _raise_stuck_at_min(stuck: Any, skips: Any, scales: Sequence[Any]) -> None:
+def _raise_stuck_at_min(
+    stuck: jax.Array | np.ndarray,
+    skips: jax.Array | np.ndarray,
+    scales: jax.Array | np.ndarray,
+) -> None:
     if stuck:
         raise FloatingPointError(
             f"lossscale: {int(skips)} consecutive steps had non-finite "

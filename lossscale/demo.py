@@ -30,7 +30,9 @@ import math
 import pathlib
 import sys
 import time
-from collections.abc import Sequence
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +55,7 @@ BATCH, TRAIN_SIZE, TEST_SIZE = 1024, 8192, 2048
 STATIC_SCALE = 2.0**15
 
 
-def _require(module: str):
+def _require(module: str) -> types.ModuleType:
     try:
         return __import__(module, fromlist=["_"])
     except ImportError as err:
@@ -63,7 +65,9 @@ def _require(module: str):
         ) from err
 
 
-def make_data(seed: int):
+def make_data(
+    seed: int,
+) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
     """A 4-class problem labelled by a random two-layer teacher network."""
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(TRAIN_SIZE + TEST_SIZE, FEATURES)).astype(np.float32)
@@ -75,7 +79,7 @@ def make_data(seed: int):
     )
 
 
-def torch_linear_init(fan_in: int):
+def torch_linear_init(fan_in: int) -> Callable[..., jax.Array]:
     """PyTorch's nn.Linear default for weights and biases alike.
 
     Both are uniform in +-1/sqrt(fan_in) (kaiming_uniform with a=sqrt(5)
@@ -83,17 +87,22 @@ def torch_linear_init(fan_in: int):
     """
     bound = 1.0 / math.sqrt(fan_in)
 
-    def init(key, shape, dtype=jnp.float32):
+    def init(
+        key: jax.Array,
+        shape: Sequence[int],
+        dtype: jax.typing.DTypeLike = jnp.float32,
+    ) -> jax.Array:
         return jax.random.uniform(key, shape, dtype, -bound, bound)
 
     return init
 
 
-def make_model(seed: int, dtype):
+def make_model(seed: int, dtype: jax.typing.DTypeLike) -> Any:
+    # An nnx.Module: flax is optional (not imported here), hence Any.
     nnx = _require("flax.nnx")
 
     class MLP(nnx.Module):
-        def __init__(self, rngs):
+        def __init__(self, rngs: Any) -> None:
             sizes = [FEATURES] + [WIDTH] * (DEPTH - 1) + [CLASSES]
             self.layers = nnx.List(
                 [
@@ -110,7 +119,7 @@ def make_model(seed: int, dtype):
                 ]
             )
 
-        def __call__(self, x):
+        def __call__(self, x: jax.Array) -> jax.Array:
             h = x.astype(self.layers[0].dtype)
             for layer in self.layers[:-1]:
                 h = jax.nn.sigmoid(layer(h))
@@ -152,12 +161,14 @@ def train(mode: str, steps: int, seed: int, progress: bool = True) -> Result:
     graphdef, params = nnx.split(model, nnx.Param)
     opt_state = tx.init(params)
 
-    def loss_fn(params, x, y):
+    def loss_fn(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
         logits = nnx.merge(graphdef, params)(x)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
     @jax.jit
-    def step(params, opt_state, key):
+    def step(
+        params: Any, opt_state: optax.OptState, key: jax.Array
+    ) -> tuple[Any, optax.OptState, tuple[jax.typing.ArrayLike, ...]]:
         idx = jax.random.randint(key, (BATCH,), 0, TRAIN_SIZE)
         x, y = x_train[idx], y_train[idx]
         scale = lossscale.get_loss_scale(opt_state)
