@@ -329,9 +329,29 @@ def by_hand_step(inner):
     return init, step
 
 
+def runtime_scale_step(inner):
+    """Plain optax, the loss scaled by hand by a scale kept in the state.
+
+    What any dynamic loss scaling pays before checking anything: the scale
+    is a value, not a constant XLA can fold into the backward pass.
+    """
+
+    def init(params):
+        return inner.init(params), jnp.float32(SCALE)
+
+    def step(params, state, grads):
+        inner_state, scale = state
+        grads = jax.tree.map(lambda g: g * (1 / scale), grads)
+        updates, inner_state = inner.update(grads, inner_state, params)
+        return optax.apply_updates(params, updates), (inner_state, scale)
+
+    return init, step
+
+
 # The scale each variant's state asks the next forward pass for.
 SCALE_OF = {
     "plain optax, loss scaled by hand": lambda state: SCALE,
+    "plain optax, scale in the state": lambda state: state[1],
     "lossscale": lambda state: lossscale.get_loss_scale(state).loss_scale,
     "lossscale (cond)": lambda s: lossscale.get_loss_scale(s).loss_scale,
     "lossscale, report_nonfinite": lambda s: (
@@ -343,6 +363,7 @@ SCALE_OF = {
 }
 TRAIN_VARIANTS = {
     "plain optax, loss scaled by hand": by_hand_step,
+    "plain optax, scale in the state": runtime_scale_step,
     **{k: v for k, v in OPTIMIZER_VARIANTS.items() if k != "plain optax"},
 }
 
