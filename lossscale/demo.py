@@ -89,13 +89,23 @@ def torch_linear_init(fan_in: int):
     return init
 
 
+def _nnx_list(nnx):
+    """The container for a list of submodules on this flax version.
+
+    flax 0.12 wants ``nnx.List`` (it rejects a plain list holding modules);
+    flax 0.11, the oldest version the ``demo`` extra allows, has no
+    ``nnx.List`` and treats a plain list of modules as a pytree node.
+    """
+    return getattr(nnx, "List", list)
+
+
 def make_model(seed: int, dtype):
     nnx = _require("flax.nnx")
 
     class MLP(nnx.Module):
         def __init__(self, rngs):
             sizes = [FEATURES] + [WIDTH] * (DEPTH - 1) + [CLASSES]
-            self.layers = nnx.List(
+            self.layers = _nnx_list(nnx)(
                 [
                     nnx.Linear(
                         fan_in,
