@@ -24,12 +24,10 @@ the skipped steps and the final scale.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import math
 import pathlib
 import sys
-import time
 from collections.abc import Sequence
 
 import jax
@@ -38,29 +36,13 @@ import numpy as np
 import optax
 
 import lossscale
+from lossscale import _demo_common as common
+from lossscale._demo_common import Result, require
 
 MODES = ("f32", "f16", "static", "dynamic")
-# One colour and line style per mode in every panel; the three modes that
-# train alike overlap, so they differ in style as well as colour.
-STYLES = {
-    "f32": dict(color="black", ls="-", lw=2.0),
-    "f16": dict(color="tab:red", ls="-", lw=1.0),
-    "static": dict(color="tab:blue", ls="--", lw=1.2),
-    "dynamic": dict(color="tab:green", ls=":", lw=1.6),
-}
 DEPTH, WIDTH, FEATURES, CLASSES = 8, 64, 16, 4
 BATCH, TRAIN_SIZE, TEST_SIZE = 1024, 8192, 2048
 STATIC_SCALE = 2.0**15
-
-
-def _require(module: str):
-    try:
-        return __import__(module, fromlist=["_"])
-    except ImportError as err:
-        raise SystemExit(
-            f"lossscale.demo needs {module.split('.')[0]}: "
-            'pip install -e ".[demo]"'
-        ) from err
 
 
 def make_data(seed: int):
@@ -100,7 +82,7 @@ def _nnx_list(nnx):
 
 
 def make_model(seed: int, dtype):
-    nnx = _require("flax.nnx")
+    nnx = require("flax.nnx")
 
     class MLP(nnx.Module):
         def __init__(self, rngs):
@@ -137,70 +119,28 @@ def loss_scale_for(mode: str) -> lossscale.LossScale:
     return lossscale.NoOpLossScale()
 
 
-@dataclasses.dataclass
-class Result:
-    mode: str
-    losses: np.ndarray
-    scales: np.ndarray
-    skipped: np.ndarray
-    zero_fraction: np.ndarray
-    test_loss: float
-    test_accuracy: float
-    seconds: float
-
-    @property
-    def final_loss(self) -> float:
-        return float(self.losses[-max(1, len(self.losses) // 20) :].mean())
-
-
 def train(mode: str, steps: int, seed: int, progress: bool = True) -> Result:
-    nnx = _require("flax.nnx")
-    (x_train, y_train), (x_test, y_test) = make_data(seed)
-    dtype = jnp.float32 if mode == "f32" else jnp.float16
-    model = make_model(seed, dtype)
+    nnx = require("flax.nnx")
+    train_data, (x_test, y_test) = make_data(seed)
+    model = make_model(seed, common.compute_dtype(mode))
     tx = lossscale.loss_scaled(optax.adam(1e-3), loss_scale_for(mode))
     graphdef, params = nnx.split(model, nnx.Param)
-    opt_state = tx.init(params)
 
-    def loss_fn(params, x, y):
+    def sample(key, data):
+        x, y = data
+        idx = jax.random.randint(key, (BATCH,), 0, TRAIN_SIZE)
+        return x[idx], y[idx]
+
+    def loss_fn(params, batch):
+        x, y = batch
         logits = nnx.merge(graphdef, params)(x)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-    @jax.jit
-    def step(params, opt_state, key):
-        idx = jax.random.randint(key, (BATCH,), 0, TRAIN_SIZE)
-        x, y = x_train[idx], y_train[idx]
-        scale = lossscale.get_loss_scale(opt_state)
-        scaled_loss, grads = jax.value_and_grad(
-            lambda p: scale.scale(loss_fn(p, x, y))
-        )(params)
-        true_grads = scale.unscale(grads)
-        leaves = jax.tree.leaves(true_grads)
-        zeros = sum(jnp.sum(g == 0) for g in leaves) / sum(
-            g.size for g in leaves
-        )
-        updates, opt_state = tx.update(grads, opt_state, params)
-        m = lossscale.metrics(opt_state)
-        record = (
-            scaled_loss / scale.loss_scale,
-            m["loss_scale"],
-            ~m["grads_finite"],
-            zeros,
-        )
-        return optax.apply_updates(params, updates), opt_state, record
-
+    step = common.make_step(loss_fn, sample, tx)
     keys = jax.random.split(jax.random.key(seed + 1), steps)
-    records = []
-    iterator = range(steps)
-    if progress:
-        tqdm = _require("tqdm").tqdm
-        iterator = tqdm(iterator, desc=f"{mode:>7}", leave=False, ncols=80)
-    start = time.perf_counter()
-    for i in iterator:
-        params, opt_state, record = step(params, opt_state, keys[i])
-        records.append(record)
-    records = jax.device_get(records)
-    seconds = time.perf_counter() - start
+    params, records, seconds = common.run_steps(
+        step, params, tx.init(params), train_data, keys, mode, progress
+    )
 
     # Evaluate the final weights the same way for every mode: in float32.
     eval_model = make_model(seed, jnp.float32)
@@ -210,72 +150,7 @@ def train(mode: str, steps: int, seed: int, progress: bool = True) -> Result:
         logits, y_test
     ).mean()
     accuracy = jnp.mean(jnp.argmax(logits, axis=1) == y_test)
-    losses, scales, skipped, zeros = (
-        np.asarray(r) for r in zip(*records, strict=True)
-    )
-    return Result(
-        mode=mode,
-        losses=losses.astype(np.float64),
-        scales=scales.astype(np.float64),
-        skipped=skipped.astype(bool),
-        zero_fraction=zeros.astype(np.float64),
-        test_loss=float(test_loss),
-        test_accuracy=float(accuracy),
-        seconds=seconds,
-    )
-
-
-def table(results: Sequence[Result]) -> str:
-    header = (
-        "| mode | final train loss | test loss | test accuracy | "
-        "zero-gradient fraction | skipped steps | final scale | time (s) |"
-    )
-    rows = [header, "|" + "---|" * 8]
-    for r in results:
-        rows.append(
-            f"| {r.mode} | {r.final_loss:.3f} | {r.test_loss:.3f} | "
-            f"{r.test_accuracy:.3f} | {r.zero_fraction.mean():.3f} | "
-            f"{int(r.skipped.sum())} | {r.scales[-1]:g} | {r.seconds:.1f} |"
-        )
-    return "\n".join(rows)
-
-
-def plot(results: Sequence[Result], path: pathlib.Path) -> None:
-    matplotlib = _require("matplotlib")
-    matplotlib.use("Agg")
-    plt = _require("matplotlib.pyplot")
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for r in results:
-        steps = np.arange(1, len(r.losses) + 1)
-        style = STYLES[r.mode]
-        axes[0].plot(steps, r.losses, label=r.mode, **style)
-        axes[2].plot(steps, r.zero_fraction, label=r.mode, **style)
-        if r.mode in ("static", "dynamic"):
-            axes[1].plot(steps, r.scales, label=r.mode, **style)
-        if r.skipped.any():
-            axes[1].scatter(
-                steps[r.skipped],
-                r.scales[r.skipped],
-                marker="x",
-                color=style["color"],
-                label=f"{r.mode}: skipped step (scale after it)",
-                zorder=3,
-            )
-    axes[0].set(title="training loss", xlabel="step", ylabel="cross-entropy")
-    axes[1].set(title="loss scale", xlabel="step", yscale="log")
-    axes[2].set(
-        title="gradient elements exactly zero", xlabel="step", ylim=(0, 1)
-    )
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    fig.suptitle(
-        f"{DEPTH}-layer sigmoid MLP, float16 compute with float32 weights"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return common.result(mode, records, test_loss, accuracy, seconds)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -326,13 +201,17 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
         train(mode, args.steps, args.seed, progress=sys.stderr.isatty())
         for mode in args.modes
     ]
-    report = table(results)
+    report = common.table(results)
     print(report)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.md").write_text(report + "\n")
     if not args.no_plot:
         path = args.out / "lossscale_demo.png"
-        plot(results, path)
+        common.plot(
+            results,
+            path,
+            f"{DEPTH}-layer sigmoid MLP, float16 compute with float32 weights",
+        )
         print(f"Figure: {path}")
     return results
 
