@@ -3,9 +3,10 @@
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from lossscale import demo
+from lossscale import _demo_text, demo
 
 pytestmark = pytest.mark.standard_promotion
 
@@ -68,3 +69,47 @@ def test_no_plot(tmp_path):
     )
     assert (tmp_path / "results.md").exists()
     assert not (tmp_path / "lossscale_demo.png").exists()
+
+
+def test_stdlib_files_skip_what_depends_on_the_machine(tmp_path):
+    for name in [
+        "os.py",
+        "json/decoder.py",
+        "notes.txt",
+        "site-packages/numpy/core.py",
+        "dist-packages/apt.py",
+        "test/test_os.py",
+        "idlelib/idle_test/test_x.py",
+        "_sysconfigdata__linux_x86_64-linux-gnu.py",
+        "config-3.11-x86_64-linux-gnu/python-config.py",
+        "abc.py",
+    ]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("pass\n")
+    found = _demo_text.stdlib_files(tmp_path)
+    assert [p.relative_to(tmp_path).as_posix() for p in found] == [
+        "abc.py",
+        "json/decoder.py",
+        "os.py",
+    ]
+
+
+def test_corpus_is_reproducible_and_split_by_file():
+    corpus = _demo_text.load_corpus(50_000, 10_000, seed=0)
+    again = _demo_text.load_corpus.__wrapped__(50_000, 10_000, seed=0)
+    other = _demo_text.load_corpus.__wrapped__(50_000, 10_000, seed=1)
+    assert again.train_files == corpus.train_files
+    np.testing.assert_array_equal(again.train, corpus.train)
+    np.testing.assert_array_equal(again.heldout, corpus.heldout)
+    assert other.train_files != corpus.train_files
+    assert set(corpus.train_files).isdisjoint(corpus.heldout_files)
+    assert len(corpus.train) >= 50_000 and len(corpus.heldout) >= 10_000
+    assert corpus.train.max() < _demo_text.VOCAB
+
+
+def test_text_encoding():
+    source = 'def f(x):\n    return {"x": x ** 2}  # ok\n'
+    assert _demo_text.decode(_demo_text.encode(source)) == source
+    # Tabs and non-ASCII characters share one id.
+    ids = _demo_text.encode("\té€")
+    assert (ids == _demo_text.VOCAB - 1).all() and len(ids) == 3
