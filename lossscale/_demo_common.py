@@ -50,6 +50,20 @@ def compute_dtype(mode: str):
     return {"f32": jnp.float32, "bf16": jnp.bfloat16}.get(mode, jnp.float16)
 
 
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """What the command line needs to know of one of the demo's models."""
+
+    modes: tuple[str, ...]
+    steps: int  # the default number of steps per mode
+    train: Callable[..., Result]  # train(mode, steps, seed, progress)
+    describe: str  # "the 8-layer sigmoid MLP", for "Training ..."
+    title: str  # the figure's title
+    test_label: str  # the table's name for the evaluation loss
+    results: str  # file names in the output folder
+    figure: str
+
+
 @dataclasses.dataclass
 class Result:
     """One mode's run: per-step records and the final evaluation."""

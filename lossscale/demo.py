@@ -19,6 +19,10 @@ This is the effect described by Micikevicius et al. (2018); no gradient is
 artificially shrunk. The table reports the fraction of gradient elements
 that are exactly zero after unscaling (the float32 run shows the baseline),
 the skipped steps and the final scale.
+
+``python -m lossscale.demo --model gpt`` trains a small character-level GPT
+on the Python standard library's source instead, in the same four modes
+and ``bf16`` (see :mod:`lossscale._demo_gpt` and ``docs/transformer.md``).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import optax
 
 import lossscale
 from lossscale import _demo_common as common
+from lossscale import _demo_gpt
 from lossscale._demo_common import Result, require
 
 MODES = ("f32", "f16", "static", "dynamic")
@@ -153,36 +158,77 @@ def train(mode: str, steps: int, seed: int, progress: bool = True) -> Result:
     return common.result(mode, records, test_loss, accuracy, seconds)
 
 
+# What the command line needs to know of each model.
+MODELS = {
+    "mlp": common.Model(
+        modes=MODES,
+        steps=2000,
+        train=train,
+        describe=f"the {DEPTH}-layer sigmoid MLP",
+        title=f"{DEPTH}-layer sigmoid MLP, float16 compute with float32 "
+        "weights",
+        test_label="test loss",
+        results="results.md",
+        figure="lossscale_demo.png",
+    ),
+    "gpt": _demo_gpt.MODEL,
+}
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m lossscale.demo",
         description="Train one model in float32, float16, float16 with a "
-        "static loss scale and float16 with a dynamic loss scale, and compare.",
+        "static loss scale and float16 with a dynamic loss scale (and, for "
+        "the GPT, bfloat16), and compare.",
     )
-    parser.add_argument("--steps", type=int, default=2000, help="per mode")
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="mlp",
+        help="the deep sigmoid MLP (default) or a character-level GPT "
+        "trained on the Python standard library's source",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="per mode (default: "
+        + ", ".join(f"{m.steps} for {name}" for name, m in MODELS.items())
+        + ")",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--modes",
-        default=",".join(MODES),
-        help=f"comma-separated subset of {','.join(MODES)}",
+        default=None,
+        help="comma-separated subset of the model's modes (mlp: "
+        + ",".join(MODES)
+        + "; gpt: "
+        + ",".join(_demo_gpt.MODES)
+        + "); default all",
     )
     parser.add_argument(
         "--out",
         type=pathlib.Path,
         default=pathlib.Path("lossscale_demo"),
-        help="folder for results.md and the figure",
+        help="folder for the results table and the figure",
     )
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
+    model = MODELS[args.model]
+    if args.steps is None:
+        args.steps = model.steps
     if args.steps < 10:
         parser.error(f"--steps must be at least 10, got {args.steps}")
     if args.seed < 0:
         parser.error(f"--seed must be >= 0, got {args.seed}")
+    if args.modes is None:
+        args.modes = ",".join(model.modes)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if m not in model.modes]
     if unknown or not modes or len(set(modes)) != len(modes):
         parser.error(
-            f"--modes must be distinct names from {','.join(MODES)}, "
+            f"--modes must be distinct names from {','.join(model.modes)}, "
             f"got {args.modes!r}"
         )
     args.modes = modes
@@ -193,25 +239,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> list[Result]:
     args = parse_args(argv)
+    model = MODELS[args.model]
     print(
-        f"Training a {DEPTH}-layer sigmoid MLP for {args.steps} steps in "
-        f"each mode ({', '.join(args.modes)}); seed {args.seed}."
+        f"Training {model.describe} for {args.steps} steps in each mode "
+        f"({', '.join(args.modes)}); seed {args.seed}."
     )
     results = [
-        train(mode, args.steps, args.seed, progress=sys.stderr.isatty())
+        model.train(mode, args.steps, args.seed, progress=sys.stderr.isatty())
         for mode in args.modes
     ]
-    report = common.table(results)
+    report = common.table(results, model.test_label)
     print(report)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.md").write_text(report + "\n")
+    (args.out / model.results).write_text(report + "\n")
     if not args.no_plot:
-        path = args.out / "lossscale_demo.png"
-        common.plot(
-            results,
-            path,
-            f"{DEPTH}-layer sigmoid MLP, float16 compute with float32 weights",
-        )
+        path = args.out / model.figure
+        common.plot(results, path, model.title)
         print(f"Figure: {path}")
     return results
 
