@@ -58,7 +58,7 @@ class Model:
     steps: int  # the default number of steps per mode
     train: Callable[..., Result]  # train(mode, steps, seed, progress)
     describe: str  # "the 8-layer sigmoid MLP", for "Training ..."
-    title: str  # the figure's title
+    plot: Callable[[Sequence[Result], pathlib.Path], None]
     test_label: str  # the table's name for the evaluation loss
     results: str  # file names in the output folder
     figure: str
@@ -198,13 +198,31 @@ def plot(
     results: Sequence[Result],
     path: pathlib.Path,
     title: str,
-    loss_label: str = "cross-entropy",
+    zero_ylim: tuple[float, float] | None = (0, 1),
+    difference_window: int | None = None,
 ) -> None:
-    """Save the loss, loss-scale and zero-gradient panels as a PNG."""
+    """Save the loss, loss-scale and zero-gradient panels as a PNG.
+
+    Args:
+        results: the runs to draw, one line each.
+        path: the PNG to write.
+        title: the figure's title.
+        zero_ylim: the zero-gradient panel's y range; None to fit the data.
+        difference_window: if given (and an ``f32`` run is among the
+            results), a fourth panel shows each run's training loss minus
+            float32's, as a moving average over this many steps: gaps too
+            small to see on the loss curves themselves.
+    """
     matplotlib = require("matplotlib")
     matplotlib.use("Agg")
     plt = require("matplotlib.pyplot")
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    reference = next((r for r in results if r.mode == "f32"), None)
+    difference = difference_window is not None and reference is not None
+    if difference:  # runs shorter than the window get one mean
+        difference_window = min(difference_window, len(reference.losses))
+    shape, size = ((2, 2), (12, 8)) if difference else ((1, 3), (15, 4.2))
+    fig, axes = plt.subplots(*shape, figsize=size)
+    axes = axes.ravel()
     for r in results:
         steps = np.arange(1, len(r.losses) + 1)
         style = STYLES[r.mode]
@@ -221,11 +239,24 @@ def plot(
                 label=f"{r.mode}: skipped step (scale after it)",
                 zorder=3,
             )
-    axes[0].set(title="training loss", xlabel="step", ylabel=loss_label)
+        if difference and r is not reference:
+            window = np.ones(difference_window) / difference_window
+            gap = np.convolve(r.losses - reference.losses, window, "valid")
+            axes[3].plot(
+                steps[difference_window - 1 :], gap, label=r.mode, **style
+            )
+    axes[0].set(title="training loss", xlabel="step", ylabel="cross-entropy")
     axes[1].set(title="loss scale", xlabel="step", yscale="log")
-    axes[2].set(
-        title="gradient elements exactly zero", xlabel="step", ylim=(0, 1)
-    )
+    axes[2].set(title="gradient elements exactly zero", xlabel="step")
+    if zero_ylim is not None:
+        axes[2].set_ylim(zero_ylim)
+    if difference:
+        axes[3].axhline(0, color=STYLES["f32"]["color"], lw=1)
+        axes[3].set(
+            title=f"training loss minus f32's, mean of {difference_window} "
+            "steps",
+            xlabel="step",
+        )
     for ax in axes:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:

@@ -28,6 +28,7 @@ and ``bf16`` (see :mod:`lossscale._demo_gpt` and ``docs/transformer.md``).
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import pathlib
@@ -165,8 +166,11 @@ MODELS = {
         steps=2000,
         train=train,
         describe=f"the {DEPTH}-layer sigmoid MLP",
-        title=f"{DEPTH}-layer sigmoid MLP, float16 compute with float32 "
-        "weights",
+        plot=functools.partial(
+            common.plot,
+            title=f"{DEPTH}-layer sigmoid MLP, float16 compute with float32 "
+            "weights",
+        ),
         test_label="test loss",
         results="results.md",
         figure="lossscale_demo.png",
@@ -254,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
     (args.out / model.results).write_text(report + "\n")
     if not args.no_plot:
         path = args.out / model.figure
-        common.plot(results, path, model.title)
+        model.plot(results, path)
         print(f"Figure: {path}")
     return results
 

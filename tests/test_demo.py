@@ -133,11 +133,11 @@ def test_gpt_dynamic_scaling_tracks_float32(tmp_path):
             "60",
             "--modes",
             "f32,f16,dynamic",
-            "--no-plot",
             "--out",
             str(tmp_path),
         ]
     )
+    assert (tmp_path / "gpt_demo.png").read_bytes()[:4] == b"\x89PNG"
     for r in (f32, f16, dynamic):
         assert np.isfinite(r.losses).all() and np.isfinite(r.test_loss)
     assert f32.final_loss < 3.0 and f32.test_loss < 3.0  # it learns
