@@ -20,6 +20,11 @@ def pytest_configure(config):
         "standard_promotion: run under JAX's standard dtype promotion "
         "(for tests that run optax optimizers not written for strict mode)",
     )
+    config.addinivalue_line(
+        "markers",
+        "slow: trains a model for tens of seconds (deselect with "
+        "-m 'not slow')",
+    )
 
 
 @pytest.fixture(autouse=True)

@@ -19,20 +19,21 @@ This is the effect described by Micikevicius et al. (2018); no gradient is
 artificially shrunk. The table reports the fraction of gradient elements
 that are exactly zero after unscaling (the float32 run shows the baseline),
 the skipped steps and the final scale.
+
+``python -m lossscale.demo --model gpt`` trains a small character-level GPT
+on the Python standard library's source instead, in the same four modes
+and ``bf16`` (see :mod:`lossscale._demo_gpt` and ``docs/transformer.md``).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import functools
 import itertools
 import math
 import pathlib
 import sys
-import time
-import types
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,34 +41,17 @@ import numpy as np
 import optax
 
 import lossscale
+from lossscale import _demo_common as common
+from lossscale import _demo_gpt
+from lossscale._demo_common import Result, require
 
 MODES = ("f32", "f16", "static", "dynamic")
-# One colour and line style per mode in every panel; the three modes that
-# train alike overlap, so they differ in style as well as colour.
-STYLES = {
-    "f32": dict(color="black", ls="-", lw=2.0),
-    "f16": dict(color="tab:red", ls="-", lw=1.0),
-    "static": dict(color="tab:blue", ls="--", lw=1.2),
-    "dynamic": dict(color="tab:green", ls=":", lw=1.6),
-}
 DEPTH, WIDTH, FEATURES, CLASSES = 8, 64, 16, 4
 BATCH, TRAIN_SIZE, TEST_SIZE = 1024, 8192, 2048
 STATIC_SCALE = 2.0**15
 
 
-def _require(module: str) -> types.ModuleType:
-    try:
-        return __import__(module, fromlist=["_"])
-    except ImportError as err:
-        raise SystemExit(
-            f"lossscale.demo needs {module.split('.')[0]}: "
-            'pip install -e ".[demo]"'
-        ) from err
-
-
-def make_data(
-    seed: int,
-) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+def make_data(seed: int):
     """A 4-class problem labelled by a random two-layer teacher network."""
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(TRAIN_SIZE + TEST_SIZE, FEATURES)).astype(np.float32)
@@ -79,7 +63,7 @@ def make_data(
     )
 
 
-def torch_linear_init(fan_in: int) -> Callable[..., jax.Array]:
+def torch_linear_init(fan_in: int):
     """PyTorch's nn.Linear default for weights and biases alike.
 
     Both are uniform in +-1/sqrt(fan_in) (kaiming_uniform with a=sqrt(5)
@@ -87,24 +71,29 @@ def torch_linear_init(fan_in: int) -> Callable[..., jax.Array]:
     """
     bound = 1.0 / math.sqrt(fan_in)
 
-    def init(
-        key: jax.Array,
-        shape: Sequence[int],
-        dtype: jax.typing.DTypeLike = jnp.float32,
-    ) -> jax.Array:
+    def init(key, shape, dtype=jnp.float32):
         return jax.random.uniform(key, shape, dtype, -bound, bound)
 
     return init
 
 
-def make_model(seed: int, dtype: jax.typing.DTypeLike) -> Any:
-    # An nnx.Module: flax is optional (not imported here), hence Any.
-    nnx = _require("flax.nnx")
+def _nnx_list(nnx):
+    """The container for a list of submodules on this flax version.
+
+    flax 0.12 wants ``nnx.List`` (it rejects a plain list holding modules);
+    flax 0.11, the oldest version the ``demo`` extra allows, has no
+    ``nnx.List`` and treats a plain list of modules as a pytree node.
+    """
+    return getattr(nnx, "List", list)
+
+
+def make_model(seed: int, dtype):
+    nnx = require("flax.nnx")
 
     class MLP(nnx.Module):
-        def __init__(self, rngs: Any) -> None:
+        def __init__(self, rngs):
             sizes = [FEATURES] + [WIDTH] * (DEPTH - 1) + [CLASSES]
-            self.layers = nnx.List(
+            self.layers = _nnx_list(nnx)(
                 [
                     nnx.Linear(
                         fan_in,
@@ -119,7 +108,7 @@ def make_model(seed: int, dtype: jax.typing.DTypeLike) -> Any:
                 ]
             )
 
-        def __call__(self, x: jax.Array) -> jax.Array:
+        def __call__(self, x):
             h = x.astype(self.layers[0].dtype)
             for layer in self.layers[:-1]:
                 h = jax.nn.sigmoid(layer(h))
@@ -136,72 +125,28 @@ def loss_scale_for(mode: str) -> lossscale.LossScale:
     return lossscale.NoOpLossScale()
 
 
-@dataclasses.dataclass
-class Result:
-    mode: str
-    losses: np.ndarray
-    scales: np.ndarray
-    skipped: np.ndarray
-    zero_fraction: np.ndarray
-    test_loss: float
-    test_accuracy: float
-    seconds: float
-
-    @property
-    def final_loss(self) -> float:
-        return float(self.losses[-max(1, len(self.losses) // 20) :].mean())
-
-
 def train(mode: str, steps: int, seed: int, progress: bool = True) -> Result:
-    nnx = _require("flax.nnx")
-    (x_train, y_train), (x_test, y_test) = make_data(seed)
-    dtype = jnp.float32 if mode == "f32" else jnp.float16
-    model = make_model(seed, dtype)
+    nnx = require("flax.nnx")
+    train_data, (x_test, y_test) = make_data(seed)
+    model = make_model(seed, common.compute_dtype(mode))
     tx = lossscale.loss_scaled(optax.adam(1e-3), loss_scale_for(mode))
     graphdef, params = nnx.split(model, nnx.Param)
-    opt_state = tx.init(params)
 
-    def loss_fn(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+    def sample(key, data):
+        x, y = data
+        idx = jax.random.randint(key, (BATCH,), 0, TRAIN_SIZE)
+        return x[idx], y[idx]
+
+    def loss_fn(params, batch):
+        x, y = batch
         logits = nnx.merge(graphdef, params)(x)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-    @jax.jit
-    def step(
-        params: Any, opt_state: optax.OptState, key: jax.Array
-    ) -> tuple[Any, optax.OptState, tuple[jax.typing.ArrayLike, ...]]:
-        idx = jax.random.randint(key, (BATCH,), 0, TRAIN_SIZE)
-        x, y = x_train[idx], y_train[idx]
-        scale = lossscale.get_loss_scale(opt_state)
-        scaled_loss, grads = jax.value_and_grad(
-            lambda p: scale.scale(loss_fn(p, x, y))
-        )(params)
-        true_grads = scale.unscale(grads)
-        leaves = jax.tree.leaves(true_grads)
-        zeros = sum(jnp.sum(g == 0) for g in leaves) / sum(
-            g.size for g in leaves
-        )
-        updates, opt_state = tx.update(grads, opt_state, params)
-        m = lossscale.metrics(opt_state)
-        record = (
-            scaled_loss / scale.loss_scale,
-            m["loss_scale"],
-            ~m["grads_finite"],
-            zeros,
-        )
-        return optax.apply_updates(params, updates), opt_state, record
-
+    step = common.make_step(loss_fn, sample, tx)
     keys = jax.random.split(jax.random.key(seed + 1), steps)
-    records = []
-    iterator = range(steps)
-    if progress:
-        tqdm = _require("tqdm").tqdm
-        iterator = tqdm(iterator, desc=f"{mode:>7}", leave=False, ncols=80)
-    start = time.perf_counter()
-    for i in iterator:
-        params, opt_state, record = step(params, opt_state, keys[i])
-        records.append(record)
-    records = jax.device_get(records)
-    seconds = time.perf_counter() - start
+    params, records, seconds = common.run_steps(
+        step, params, tx.init(params), train_data, keys, mode, progress
+    )
 
     # Evaluate the final weights the same way for every mode: in float32.
     eval_model = make_model(seed, jnp.float32)
@@ -211,104 +156,83 @@ def train(mode: str, steps: int, seed: int, progress: bool = True) -> Result:
         logits, y_test
     ).mean()
     accuracy = jnp.mean(jnp.argmax(logits, axis=1) == y_test)
-    losses, scales, skipped, zeros = (
-        np.asarray(r) for r in zip(*records, strict=True)
-    )
-    return Result(
-        mode=mode,
-        losses=losses.astype(np.float64),
-        scales=scales.astype(np.float64),
-        skipped=skipped.astype(bool),
-        zero_fraction=zeros.astype(np.float64),
-        test_loss=float(test_loss),
-        test_accuracy=float(accuracy),
-        seconds=seconds,
-    )
+    return common.result(mode, records, test_loss, accuracy, seconds)
 
 
-def table(results: Sequence[Result]) -> str:
-    header = (
-        "| mode | final train loss | test loss | test accuracy | "
-        "zero-gradient fraction | skipped steps | final scale | time (s) |"
-    )
-    rows = [header, "|" + "---|" * 8]
-    for r in results:
-        rows.append(
-            f"| {r.mode} | {r.final_loss:.3f} | {r.test_loss:.3f} | "
-            f"{r.test_accuracy:.3f} | {r.zero_fraction.mean():.3f} | "
-            f"{int(r.skipped.sum())} | {r.scales[-1]:g} | {r.seconds:.1f} |"
-        )
-    return "\n".join(rows)
-
-
-def plot(results: Sequence[Result], path: pathlib.Path) -> None:
-    matplotlib = _require("matplotlib")
-    matplotlib.use("Agg")
-    plt = _require("matplotlib.pyplot")
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for r in results:
-        steps = np.arange(1, len(r.losses) + 1)
-        style = STYLES[r.mode]
-        axes[0].plot(steps, r.losses, label=r.mode, **style)
-        axes[2].plot(steps, r.zero_fraction, label=r.mode, **style)
-        if r.mode in ("static", "dynamic"):
-            axes[1].plot(steps, r.scales, label=r.mode, **style)
-        if r.skipped.any():
-            axes[1].scatter(
-                steps[r.skipped],
-                r.scales[r.skipped],
-                marker="x",
-                color=style["color"],
-                label=f"{r.mode}: skipped step (scale after it)",
-                zorder=3,
-            )
-    axes[0].set(title="training loss", xlabel="step", ylabel="cross-entropy")
-    axes[1].set(title="loss scale", xlabel="step", yscale="log")
-    axes[2].set(
-        title="gradient elements exactly zero", xlabel="step", ylim=(0, 1)
-    )
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    fig.suptitle(
-        f"{DEPTH}-layer sigmoid MLP, float16 compute with float32 weights"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+# What the command line needs to know of each model.
+MODELS = {
+    "mlp": common.Model(
+        modes=MODES,
+        steps=2000,
+        train=train,
+        describe=f"the {DEPTH}-layer sigmoid MLP",
+        plot=functools.partial(
+            common.plot,
+            title=f"{DEPTH}-layer sigmoid MLP, float16 compute with float32 "
+            "weights",
+        ),
+        test_label="test loss",
+        results="results.md",
+        figure="lossscale_demo.png",
+    ),
+    "gpt": _demo_gpt.MODEL,
+}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m lossscale.demo",
         description="Train one model in float32, float16, float16 with a "
-        "static loss scale and float16 with a dynamic loss scale, and compare.",
+        "static loss scale and float16 with a dynamic loss scale (and, for "
+        "the GPT, bfloat16), and compare.",
     )
-    parser.add_argument("--steps", type=int, default=2000, help="per mode")
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="mlp",
+        help="the deep sigmoid MLP (default) or a character-level GPT "
+        "trained on the Python standard library's source",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="per mode (default: "
+        + ", ".join(f"{m.steps} for {name}" for name, m in MODELS.items())
+        + ")",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--modes",
-        default=",".join(MODES),
-        help=f"comma-separated subset of {','.join(MODES)}",
+        default=None,
+        help="comma-separated subset of the model's modes (mlp: "
+        + ",".join(MODES)
+        + "; gpt: "
+        + ",".join(_demo_gpt.MODES)
+        + "); default all",
     )
     parser.add_argument(
         "--out",
         type=pathlib.Path,
         default=pathlib.Path("lossscale_demo"),
-        help="folder for results.md and the figure",
+        help="folder for the results table and the figure",
     )
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
+    model = MODELS[args.model]
+    if args.steps is None:
+        args.steps = model.steps
     if args.steps < 10:
         parser.error(f"--steps must be at least 10, got {args.steps}")
     if args.seed < 0:
         parser.error(f"--seed must be >= 0, got {args.seed}")
+    if args.modes is None:
+        args.modes = ",".join(model.modes)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if m not in model.modes]
     if unknown or not modes or len(set(modes)) != len(modes):
         parser.error(
-            f"--modes must be distinct names from {','.join(MODES)}, "
+            f"--modes must be distinct names from {','.join(model.modes)}, "
             f"got {args.modes!r}"
         )
     args.modes = modes
@@ -319,21 +243,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> list[Result]:
     args = parse_args(argv)
+    model = MODELS[args.model]
     print(
-        f"Training a {DEPTH}-layer sigmoid MLP for {args.steps} steps in "
-        f"each mode ({', '.join(args.modes)}); seed {args.seed}."
+        f"Training {model.describe} for {args.steps} steps in each mode "
+        f"({', '.join(args.modes)}); seed {args.seed}."
     )
     results = [
-        train(mode, args.steps, args.seed, progress=sys.stderr.isatty())
+        model.train(mode, args.steps, args.seed, progress=sys.stderr.isatty())
         for mode in args.modes
     ]
-    report = table(results)
+    report = common.table(results, model.test_label)
     print(report)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.md").write_text(report + "\n")
+    (args.out / model.results).write_text(report + "\n")
     if not args.no_plot:
-        path = args.out / "lossscale_demo.png"
-        plot(results, path)
+        path = args.out / model.figure
+        model.plot(results, path)
         print(f"Figure: {path}")
     return results
 

@@ -3,13 +3,15 @@
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from lossscale import demo
+from lossscale import _demo_gpt, _demo_text, demo
 
 pytestmark = pytest.mark.standard_promotion
 
 
+@pytest.mark.slow
 def test_demo_shows_the_effect(tmp_path, capsys):
     results = demo.main(
         ["--steps", "300", "--seed", "1", "--out", str(tmp_path)]
@@ -48,6 +50,8 @@ def test_demo_shows_the_effect(tmp_path, capsys):
         (["--modes", "f32,bf16"], "--modes must be distinct names"),
         (["--modes", "f32,f32"], "--modes must be distinct names"),
         (["--seed", "-1"], "--seed must be >= 0"),
+        (["--model", "gpt", "--modes", "f32,int8"], "--modes must be distinct"),
+        (["--model", "cnn"], "invalid choice: 'cnn'"),
     ],
 )
 def test_bad_flags_give_a_message_not_a_traceback(args, message):
@@ -68,3 +72,136 @@ def test_no_plot(tmp_path):
     )
     assert (tmp_path / "results.md").exists()
     assert not (tmp_path / "lossscale_demo.png").exists()
+
+
+def test_gpt_runs_reports_and_plots(tmp_path, capsys):
+    results = demo.main(
+        [
+            "--model",
+            "gpt",
+            "--steps",
+            "10",
+            "--modes",
+            "static,bf16",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert [r.mode for r in results] == ["static", "bf16"]
+    for r in results:
+        assert len(r.losses) == 10
+        assert np.isfinite(r.losses).all() and np.isfinite(r.test_loss)
+        # From uniform guessing (ln 97 = 4.57 nats per character) down.
+        assert r.losses[0] > 4.4 > r.losses[-1]
+        assert r.test_accuracy is None
+        assert not r.skipped.any()
+    static, bf16 = results
+    assert (static.scales == _demo_gpt.STATIC_SCALE).all()
+    assert (bf16.scales == 1).all()
+
+    out = capsys.readouterr().out
+    assert "| mode | final train loss | held-out loss | zero-gradient" in out
+    assert "accuracy" not in out
+    lines = (tmp_path / "gpt_results.md").read_text().splitlines()
+    assert sum(line.startswith("| ") for line in lines) == 1 + len(results)
+    png = tmp_path / "gpt_demo.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "results.md").exists()  # the MLP's
+
+
+def _expected_dynamic_scales(skipped, initial, interval):
+    """The scale after each step, by DynamicLossScale's documented rule."""
+    scale, clean, scales = initial, 0, []
+    for skip in skipped:
+        clean = 0 if skip else clean + 1
+        if skip:
+            scale /= 2
+        elif clean == interval:
+            scale, clean = scale * 2, 0
+        scales.append(scale)
+    return np.array(scales)
+
+
+@pytest.mark.slow
+def test_gpt_dynamic_scaling_tracks_float32(tmp_path):
+    # A fifth of the default run: the same model, batch and data.
+    f32, f16, dynamic = demo.main(
+        [
+            "--model",
+            "gpt",
+            "--steps",
+            "60",
+            "--modes",
+            "f32,f16,dynamic",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert (tmp_path / "gpt_demo.png").read_bytes()[:4] == b"\x89PNG"
+    for r in (f32, f16, dynamic):
+        assert np.isfinite(r.losses).all() and np.isfinite(r.test_loss)
+    assert f32.final_loss < 3.0 and f32.test_loss < 3.0  # it learns
+
+    # The acceptance criterion of the default run holds on this one.
+    assert abs(dynamic.final_loss - f32.final_loss) < 0.05
+    assert abs(dynamic.test_loss - f32.test_loss) < 0.05
+    # Without scaling float16 ends further from float32 than with it...
+    gap = abs(dynamic.final_loss - f32.final_loss)
+    assert f16.final_loss - f32.final_loss > gap
+    # ...and early on, while attention is still near uniform, a visible
+    # share of its gradient elements underflows to zero; with the dynamic
+    # scale (and in float32) next to none do.
+    assert f16.zero_fraction.max() > 0.01
+    assert dynamic.zero_fraction.max() < 1e-3
+    assert f32.zero_fraction.max() < 1e-3
+
+    # The recorded skips and scales agree with each other, step by step.
+    expected = _expected_dynamic_scales(
+        dynamic.skipped, 2.0**16, _demo_gpt.GROWTH_INTERVAL
+    )
+    np.testing.assert_array_equal(dynamic.scales, expected)
+    assert dynamic.scales[-1] > 2.0**16  # it grew on the clean steps
+
+
+def test_stdlib_files_skip_what_depends_on_the_machine(tmp_path):
+    for name in [
+        "os.py",
+        "json/decoder.py",
+        "notes.txt",
+        "site-packages/numpy/core.py",
+        "dist-packages/apt.py",
+        "test/test_os.py",
+        "idlelib/idle_test/test_x.py",
+        "_sysconfigdata__linux_x86_64-linux-gnu.py",
+        "config-3.11-x86_64-linux-gnu/python-config.py",
+        "abc.py",
+    ]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("pass\n")
+    found = _demo_text.stdlib_files(tmp_path)
+    assert [p.relative_to(tmp_path).as_posix() for p in found] == [
+        "abc.py",
+        "json/decoder.py",
+        "os.py",
+    ]
+
+
+def test_corpus_is_reproducible_and_split_by_file():
+    corpus = _demo_text.load_corpus(50_000, 10_000, seed=0)
+    again = _demo_text.load_corpus.__wrapped__(50_000, 10_000, seed=0)
+    other = _demo_text.load_corpus.__wrapped__(50_000, 10_000, seed=1)
+    assert again.train_files == corpus.train_files
+    np.testing.assert_array_equal(again.train, corpus.train)
+    np.testing.assert_array_equal(again.heldout, corpus.heldout)
+    assert other.train_files != corpus.train_files
+    assert set(corpus.train_files).isdisjoint(corpus.heldout_files)
+    assert len(corpus.train) >= 50_000 and len(corpus.heldout) >= 10_000
+    assert corpus.train.max() < _demo_text.VOCAB
+
+
+def test_text_encoding():
+    source = 'def f(x):\n    return {"x": x ** 2}  # ok\n'
+    assert _demo_text.decode(_demo_text.encode(source)) == source
+    # Tabs and non-ASCII characters share one id.
+    ids = _demo_text.encode("\té€")
+    assert (ids == _demo_text.VOCAB - 1).all() and len(ids) == 3
