@@ -20,6 +20,7 @@ def test_there_are_notebooks():
     assert {"quickstart.ipynb", "underflow.ipynb"} <= names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_and_stores_outputs(path):
     import nbformat

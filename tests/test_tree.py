@@ -113,9 +113,9 @@ class TestBothBranches:
     @settings(max_examples=20, deadline=None)
     @given(data=st.data())
     def test_many_leaves_of_few_shapes_match_numpy(self, branch, data):
-        # Repeated shapes make the CPU branch reduce leaves together (more
-        # than 16 of one shape: several reductions).
-        shapes = [(5,), (3, 4), (2000,), (33, 17)]
+        # Repeated shapes make the CPU branch reduce leaves together, 16
+        # small ones or 4 large ones (over 4096 elements) at a time.
+        shapes = [(5,), (3, 4), (2000,), (33, 17), (70, 70), (5000,)]
         picks = data.draw(st.lists(st.sampled_from(shapes), max_size=40))
         leaves = [np.ones(shape, np.float32) for shape in picks]
         for i, x in enumerate(leaves):
