@@ -567,73 +567,78 @@ def peak_memory(n_params: int):
 
 NOTES = """## What was tried, and why the numbers are what they are
 
-Measured on the CPU above while building the skip (details in the git log).
+Measured on the CPU above (details in the git log).
 
-- **The default skip** is a branch-free select written so that XLA copies
-  nothing (`lossscale/_skip.py`): the inner update is traced to a jaxpr
-  and evaluated with every new state value replaced by
-  `where(finite, new, old)` from the moment it is computed, so the updates
-  read the *selected* state. XLA then writes the state in place first and
-  reads it in the parameter update after, which stays fused into
-  `optax.apply_updates`: no state copy, no updates buffer (peak memory
-  above), and no host round-trip for the predicate on any backend. What is
-  left of the optimizer-only overhead is the finiteness check's own pass
-  over the gradients (one extra read; about 2 ms of Adam's 12 ms at 20M
-  parameters here).
-- **The textbook select** (`new if finite else old` after the update, as
-  jmp's and flax's recipes do) makes XLA copy the state every step: the
-  parameter update re-reads the old state after the select has written
-  the new one in place. That is most of the peers' cost above.
-- **`lax.cond` around the inner update** (`lossscale (cond)`, the default
-  until this version): no state copy, but the updates leave the
-  conditional as a parameter-sized buffer instead of fusing into
-  `apply_updates`; XLA's CPU runtime maps that buffer fresh on every call
-  (about 20 000 page faults per 80 MB), which dominates its time and is
-  its +25% peak memory. On GPU a conditional also needs the predicate on
-  the host.
-- **Finiteness check on CPU**: XLA splits a whole-leaf reduction into a
-  windowed pre-reduction whose input it materialises (a byte per element
-  for `isfinite(x).all()`, four for `sum(x * 0)` or `max(|x|)`, both
-  measured). Reducing blocks of 16 first (then the blocks) fuses
-  `isfinite` into the reduction and writes 1/16 byte per element: rows of
-  16 for vectors (rows of 8 had as good a best time and a worse median;
-  32 and 64 were slower), 16 x 16 tiles of the last two axes for matrices.
-  Rows were not enough there: in the train step below XLA lays the weight
-  gradients out transposed, and a check by logical rows read them with a
-  stride, about 2 ms per 4 MB, which cost the whole step 30%; tiles read
-  whole cache lines in either layout. Small leaves share one reduction, 8
-  at a time, which halves the kernels XLA compiles per leaf. Other
-  backends use a plain `isfinite(x).all()` per leaf.
-- **The same transposed layout** is why `lossscale (cond)` beats plain
-  optax in the full train step: a conditional's operands are materialised
-  in row-major order (one fast tiled transpose), after which its update
-  reads the gradients contiguously, whereas plain optax (and the default
-  select) fuse the strided read into each of Adam's per-leaf updates. That
-  is XLA's CPU fusion at work, not a cost of loss scaling.
-- **Compile time** (500 leaves of 64 elements; the table splits tracing
-  from lowering and compiling). Unscaling and checking alone, with no skip
-  at all (`unscale + all_finite, no skip`: not a loss scaler, an overflow
-  reaches the parameters), already take 1.3-1.4x plain optax: XLA
-  compiles the unscale into each of Adam's per-leaf kernels, and the check
-  adds its reductions. The skip adds the rest. In tracing, the inner update
-  is traced once, to a jaxpr, and its ~8000 equations are then bound again
-  one by one with the selects in place (about 0.1-0.2 s of re-binding at
-  500 leaves, the jaxpr's own overhead over a direct trace, and Python's
-  garbage collector, which has more live objects to scan); in XLA, a
-  select per state leaf and per update, each a few instructions in a
-  kernel Adam already has (25-40% of plain's XLA time, between runs).
-  Compile time grows with the instructions per leaf, and every leaf must
-  be unscaled, checked and selected: 1.3x leaves no room for a skip on top
-  of the check. The conditional compiles slower still.
+- **The skip** is a branch-free select written so that XLA copies nothing
+  (`lossscale/_skip.py`): the inner update is traced to a jaxpr and
+  evaluated with every new state value replaced by `where(finite, new,
+  old)` from the moment it is computed, so the updates read the *selected*
+  state. XLA then writes the state in place first and reads it in the
+  parameter update after, which stays fused into `optax.apply_updates`: no
+  state copy, no updates buffer, no host round-trip for the predicate. The
+  textbook select (`new if finite else old` after the update, as jmp's and
+  flax's recipes do) makes XLA copy the state every step: most of those
+  peers' cost above. `lax.cond` around the inner update (`lossscale
+  (cond)`) copies no state, but its updates leave the conditional as a
+  parameter-sized buffer instead of fusing into `apply_updates`.
+- **The finiteness check.** `jnp.all(jnp.isfinite(g))` per leaf is what
+  GPUs and TPUs get. On CPU XLA rewrites each such reduction into a
+  windowed pre-reduction whose input it materialises: a byte per gradient
+  element written and read back (a quarter of the gradients' size in
+  temporaries). Variadic reductions (several operands at once) are left
+  alone and fuse the `isfinite`: leaves of one shape and sharding share
+  one, up to 16 at a time, and a leaf alone reduces `isfinite` and `isnan`
+  together (two copies of one operand are merged back into a plain
+  reduction). No temporary; fewer kernels than leaves. How many leaves
+  per reduction: 4 large ones read fastest (20M parameters in 40 leaves:
+  1.4 ms for the check, against 2.3 ms with 16 per reduction, 2.0 ms for
+  the 0.1.0 tiles and 3.2 ms for a plain reduction per leaf); small ones
+  (at most 4096 elements) go 16 at a time, for fewer kernels to compile.
+  The 0.1.0 check (16 x 16 tiles, concatenated small leaves, optimization
+  barriers) also avoided the temporary, but compiled slower (measured:
+  +28% of plain's XLA time for the check alone, against +8% now) and
+  could not run under explicit sharding (its reshapes split sharded axes).
+- **Checking the scaled gradients.** Where the scale cannot go below 1
+  (the default floor), the check reads the gradients as they arrive: a
+  finite value divided by a scale of at least 1 cannot overflow. XLA then
+  does not fuse the unscale multiply into every check kernel.
+- **One global reduction** (a sum of squares, a max of |g|, a sum of
+  `g * 0`, the form `clip_by_global_norm` computes) instead of a flag per
+  leaf: XLA fuses the scalar chain that combines the per-leaf results into
+  every consumer of the flag, one per state leaf and update, which made
+  the transformer's compile 3.5x plain's. Combining per-leaf *flags* with
+  one reduction over their stack avoids it. Sharing `clip_by_global_norm`'s
+  norm is therefore not done: the check adds as many kernels with clipping
+  as without (one more, in the kernel tables).
+- **Tracing.** The inner update is traced once, to a jaxpr, and its
+  equations are bound again with the selects in place. Python's garbage
+  collector, scanning the heap of a large train step's trace every few
+  hundred allocations, took 0.1 s of the 0.16 s the wrapper added to the
+  12-layer transformer's trace; `update` now defers it while it runs. What
+  is left (about 0.06 s there) is the re-binding and the check.
+- **Bookkeeping.** The loss scale's update and the wrapper's five counters
+  are scalar operations, each its own small kernel on CPU; together about
+  5% of the scanned transformer's compile. Packing the counters into one
+  vector made more kernels (XLA slices each output back out), so they
+  stay separate.
+- **Ordering the check before the update** (an optimization barrier on the
+  flag and the gradients) changed neither the buffers nor the compile
+  time.
+- **The dynamic scale itself.** Loss scaled by hand with a constant (the
+  baseline) lets XLA fold the scale into the backward pass; any dynamic
+  loss scaling keeps it in the state as a value, which costs the compile
+  (`plain optax, scale in the state`) before the wrapper adds anything.
 
-Against the targets of the performance issue, on this CPU: peak memory
-is met (+0.4%, target +5%), and lossscale is faster than every peer
-pattern at every size, on both paths. The optimizer-only step at 20M
-parameters (1.16-1.17x, target 1.15x: the check's own pass over the
-gradients is that much) and the full float16 train step (1.04-1.06x
-against the same loss scaling done by hand, target 1.05x) are at their
-targets within this machine's run-to-run noise, not clearly under them.
-Compile time at 500 leaves (about 1.8-1.9x, target 1.3x) is not met.
+Against the targets of this round, on this CPU: the step-time ratios did
+not get worse (optimizer-only at 20M parameters about 1.16x, full float16
+MLP step about 1.03x, the transformer's step within 1% of plain optax),
+and peak memory is plain optax's. The transformer's compile time is not
+at its targets (1.10x for the loop of layers, 1.05x under `lax.scan`):
+about 1.17-1.20x and 1.09-1.11x between runs. Keeping the scale in the
+state costs about 1.04x on its own in the loop layout; the rest is the
+skip (a select per state leaf and update, in kernels Adam already has),
+the check (fewer kernels than leaves, but each reads its gradients), and
+the bookkeeping. Ratios move by a few hundredths between runs here.
 """
 
 
