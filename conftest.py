@@ -22,8 +22,8 @@ def pytest_configure(config):
     )
     config.addinivalue_line(
         "markers",
-        "slow: trains a model for tens of seconds (deselect with "
-        "-m 'not slow')",
+        "slow: a smoke run (demo, notebooks, benchmark, several processes, "
+        "pyright) of seconds to minutes; -m 'not slow' leaves the contract",
     )
 
 

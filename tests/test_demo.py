@@ -66,6 +66,7 @@ def test_bad_flags_give_a_message_not_a_traceback(args, message):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_no_plot(tmp_path):
     demo.main(
         ["--steps", "10", "--modes", "f16", "--no-plot", "--out", str(tmp_path)]
@@ -74,6 +75,7 @@ def test_no_plot(tmp_path):
     assert not (tmp_path / "lossscale_demo.png").exists()
 
 
+@pytest.mark.slow
 def test_gpt_runs_reports_and_plots(tmp_path, capsys):
     results = demo.main(
         [

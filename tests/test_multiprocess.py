@@ -35,6 +35,7 @@ def launch(port: int, pid: int, *extra: str) -> subprocess.Popen:
     )
 
 
+@pytest.mark.slow
 def test_two_processes_skip_together():
     port = free_port()
     procs = [launch(port, pid) for pid in (0, 1)]
@@ -61,6 +62,7 @@ def test_two_processes_skip_together():
         assert result["control_applied"], result
 
 
+@pytest.mark.slow
 def test_dead_peer_fails_fast():
     """A process whose peer never comes fails within seconds, not hangs."""
     proc = launch(free_port(), 0, "3")

@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 import lossscale
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -25,6 +27,7 @@ def _pyright() -> pathlib.Path:
     return path
 
 
+@pytest.mark.slow
 def test_pyright_finds_no_error_in_the_package():
     # The project's [tool.pyright] (pyproject.toml) says what to check and
     # how; imports resolve in this interpreter's environment.
