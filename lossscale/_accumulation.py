@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from lossscale import _checks
 
 
 class MultiSteps(optax.MultiSteps):
@@ -37,6 +40,18 @@ class MultiSteps(optax.MultiSteps):
     This class zeroes the accumulator with a select instead; everything else
     is inherited unchanged.
     """
+
+    def __init__(
+        self,
+        opt: optax.GradientTransformation,
+        every_k_schedule: int
+        | Callable[[jax.typing.ArrayLike], jax.typing.ArrayLike],
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        if not callable(every_k_schedule):
+            _checks.positive_int("every_k_schedule", every_k_schedule)
+        super().__init__(opt, every_k_schedule, *args, **kwargs)
 
     def update(
         self,

@@ -187,6 +187,8 @@ _INT_HINT = (
 
 
 def _is_axis_name(item: Any) -> bool:
+    if isinstance(item, str):  # numpy's str_ included
+        return True
     return not (
         item is None
         or isinstance(item, tuple | list | set | dict | numbers.Number)

@@ -36,7 +36,9 @@ __all__ = [
     "is_literal",
     "is_tracer",
     "is_var",
+    "like_sharding",
     "literal_value",
+    "manual_axes",
     "set_mesh",
     "shardings_hidden",
     "spec",
@@ -77,16 +79,34 @@ def spec(value: Any) -> tuple[Any, ...]:
     return entries + (None,) * (jnp.ndim(value) - len(entries))
 
 
+def like_sharding(value: Any, reference: Any) -> Any:
+    """``value`` resharded to ``reference``'s sharding where types carry it.
+
+    Under explicit mesh axes a new state value can come out of an update
+    sharded differently from the old one (gradients sharded ZeRO-style
+    meeting a replicated moment); a select between the two needs one
+    sharding, the new one's.
+    """
+    new = getattr(jax.typeof(reference), "sharding", None)
+    if spec(value) == spec(reference) or not getattr(new, "spec", None):
+        return value
+    return jax.sharding.reshard(value, new)
+
+
 def shardings_hidden() -> bool:
     """Whether arrays may be sharded in ways their types do not show.
 
     True under a mesh in context with an ``Auto`` axis of more than one
-    device, where the partitioner decides the shardings after tracing.
+    device, and with no mesh in context on a host of several devices: the
+    partitioner decides (or the arrays carry) shardings the trace does not
+    see. False under explicit axes, inside ``shard_map`` and on one device.
     """
     get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
     if get_mesh is None:  # pragma: no cover - every supported JAX has it
         return True
     mesh = get_mesh()
+    if not mesh.axis_names:
+        return jax.device_count() > 1
     auto = jax.sharding.AxisType.Auto
     return any(
         kind == auto and size > 1
@@ -94,7 +114,8 @@ def shardings_hidden() -> bool:
     )
 
 
-def _manual_axes() -> frozenset[Any]:
+def manual_axes() -> frozenset[Any]:
+    """The mapped axes of the ``shard_map`` being traced (else none)."""
     get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
     if get_mesh is None:
         return frozenset()
@@ -118,7 +139,7 @@ def unchecked_manual_axes() -> frozenset[Any]:
     value looks replicated, so nothing can tell whether the gradients'
     finiteness differs between devices. Elsewhere this is empty.
     """
-    axes = _manual_axes()
+    axes = manual_axes()
     if not axes or _vma_checked():
         return frozenset()
     return axes

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lossscale import _tree
+from lossscale import _checks, _tree
 from lossscale._scales import StaticLossScale
 
 
@@ -110,14 +110,21 @@ def diagnose(
     dtype = np.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"dtype must be a floating dtype, got dtype={dtype}.")
+    headroom = _checks.static_float("headroom", headroom)
     if not (np.isfinite(headroom) and headroom >= 1):
         raise ValueError(f"headroom must be >= 1, got headroom={headroom!r}.")
     if scales is None:
         scales = 2.0 ** np.arange(0, 25)
     scales = np.sort(np.asarray(scales, np.float64))
-    if scales.ndim != 1 or not scales.size or not np.all(scales > 0):
+    if (
+        scales.ndim != 1
+        or not scales.size
+        or not np.all(scales >= _checks.MIN_SCALE)
+        or not np.all(scales <= _checks.MAX_SCALE)
+    ):
         raise ValueError(
-            "scales must be a non-empty list of positive numbers, got "
+            "scales must be a non-empty list of loss scales, each in "
+            f"{_checks.SCALE_RANGE}, got "
             f"{scales!r}."
         )
 

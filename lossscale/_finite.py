@@ -72,17 +72,24 @@ def _together(leaves: Sequence[jax.Array]) -> list[jax.Array]:
 def _cpu_flags(leaves: Sequence[jax.Array]) -> list[jax.Array]:
     """One finiteness flag per leaf, by variadic reductions; see above.
 
-    The operands of one reduction must share a sharding, or XLA reshards
-    (gathers) some of them first. Their type says so under explicit mesh
-    axes, under ``shard_map`` and on one device; under automatic axes of a
-    mesh in context it does not, and each leaf is then checked alone.
+    Only leaves that each device holds whole are reduced this way: the
+    partitioner splits a variadic reduction of a sharded array less well
+    than a plain one (it gathers per-device flags instead of all-reducing
+    one, and reshards operands whose shardings differ). The type shows the
+    sharding under explicit mesh axes, inside ``shard_map`` and on one
+    device; elsewhere (automatic axes, or several devices and no mesh in
+    context), and for leaves sharded across devices, each leaf gets the
+    plain reduction, at the cost of its temporary.
     """
-    hidden = _compat.shardings_hidden()
+    if _compat.shardings_hidden():
+        return _default_flags(leaves)
+    flags: list[Any] = [None] * len(leaves)
     by_key: dict[Any, list[int]] = {}
     for i, x in enumerate(leaves):
-        key = i if hidden else (x.shape, _compat.spec(x), _compat.vma(x))
-        by_key.setdefault(key, []).append(i)
-    flags: list[Any] = [None] * len(leaves)
+        if any(entry is not None for entry in _compat.spec(x)):
+            flags[i] = leaf_finite(x)
+        else:
+            by_key.setdefault((x.shape, _compat.vma(x)), []).append(i)
     for idx in by_key.values():
         step = _OPERANDS_SMALL if leaves[idx[0]].size <= _SMALL else _OPERANDS
         for start in range(0, len(idx), step):
@@ -127,6 +134,14 @@ def refuse_disagreement(flags: jax.Array, axis_name: AxisName) -> None:
     axis must be named.
     """
     named = set(_axes(axis_name))
+    manual = _compat.manual_axes()
+    unknown = named - manual
+    if manual and unknown:
+        raise ValueError(
+            f"axis_name={axis_name!r} names {sorted(unknown, key=repr)}, "
+            "which are not mapped axes here; the mapped axes are "
+            f"{sorted(manual, key=repr)}."
+        )
     varying = _compat.vma(flags) - named
     unchecked = _compat.unchecked_manual_axes() - named
     if varying:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lossscale import _interop, _tree
+from lossscale import _interop
 from lossscale._scales import LossScale
 from lossscale._transform import LossScaledState
 
@@ -108,7 +108,9 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
     ``"hysteresis_tracker"``; any loss-scale policy with a ``metrics()``
     method adds its own keys. With ``report_nonfinite=True``,
     ``"nonfinite_leaves"`` counts the gradient leaves that held an inf or
-    NaN in the last step (int32; :func:`nonfinite_paths` names them). With
+    NaN in the last step (int32; :func:`nonfinite_paths` names them); with
+    ``on_min_scale="error"``, ``"min_scale_skips"`` counts the consecutive
+    skipped steps that ran at the minimum scale. With
     :func:`loss_scaled_by_group` the per-scale keys carry the group label:
     ``"loss_scale/<label>"``, ``"at_min_scale/<label>"``, ... No value
     leaves the device: call it inside ``jit`` and fetch when you log.
@@ -129,7 +131,12 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
         "last_skip_step": jnp.asarray(state.last_skip_step, jnp.int32),
     }
     if state.nonfinite is not None:
-        out["nonfinite_leaves"] = jnp.sum(state.nonfinite, dtype=jnp.int32)
+        # The last axis holds the leaves; any before it are pmap's or vmap's.
+        out["nonfinite_leaves"] = jnp.sum(
+            state.nonfinite, axis=-1, dtype=jnp.int32
+        )
+    if state.min_scale_skips is not None:
+        out["min_scale_skips"] = jnp.asarray(state.min_scale_skips, jnp.int32)
     scales = state.loss_scale
     grouped = isinstance(scales, dict)
     for label, scale in scales.items() if grouped else [(None, scales)]:
@@ -154,18 +161,19 @@ def nonfinite_paths(opt_state: Any, tree: Any) -> list[str]:
         opt_state: an optimizer state containing exactly one
             :class:`LossScaledState` (see :func:`get_loss_scale`).
         tree: a tree with the gradients' structure, usually the parameters:
-            its floating leaves are matched, in order, with the flags.
+            its leaves (and ``None`` nodes, where a gradient is ``None``)
+            are matched, in order, with the flags.
 
     Returns:
         The paths, as ``jax.tree_util.keystr`` writes them, in tree order;
         an empty list after a finite step. Under ``pmap`` (a leading device
-        axis) the flags agree across devices and the first device's are
-        read.
+        axis) the flags agree across devices, and one device's are read.
 
     Raises:
         ValueError: if the optimizer was built without
-            ``report_nonfinite=True``, or ``tree`` has a different number
-            of floating leaves than the gradients.
+            ``report_nonfinite=True``; if ``tree`` has a different number
+            of leaves than the gradients; or if the flags differ along
+            leading axes (a ``vmap``-ped ensemble: pass one member's state).
 
     Examples:
         >>> import jax.numpy as jnp, optax
@@ -187,16 +195,24 @@ def nonfinite_paths(opt_state: Any, tree: Any) -> list[str]:
             "report_nonfinite=True (loss_scaled(..., report_nonfinite=True)); "
             "this one does not record which leaves were non-finite."
         )
-    flags = np.asarray(state.nonfinite)
-    flags = flags.reshape(-1, flags.shape[-1])[0] if flags.ndim > 1 else flags
+    rows = np.asarray(state.nonfinite)
+    rows = rows.reshape(-1, rows.shape[-1])
+    if not (rows == rows[:1]).all():
+        raise ValueError(
+            "the non-finite flags differ along the state's leading axes (a "
+            "vmap-ped ensemble, whose members skip alone): pass one member's "
+            "state, e.g. jax.tree.map(lambda x: x[i], opt_state)."
+        )
+    flags = rows[0]
     paths = [
         jax.tree_util.keystr(path)
-        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
-        if _tree.is_float(leaf)
+        for path, _ in jax.tree_util.tree_leaves_with_path(
+            tree, is_leaf=lambda x: x is None
+        )
     ]
     if len(paths) != flags.size:
         raise ValueError(
-            f"tree has {len(paths)} floating leaves, but the gradients had "
+            f"tree has {len(paths)} leaves, but the gradients had "
             f"{flags.size}: pass a tree with the gradients' structure (the "
             "params, usually)."
         )

@@ -114,10 +114,13 @@ def _register(serialization: Any, classes: tuple[type, ...]) -> None:
             fields: tuple[str, ...] = fields,
         ) -> Any:
             missing = set(fields) - set(state)
-            if missing:
+            unknown = set(state) - set(fields)
+            if missing or unknown:
                 raise ValueError(
-                    f"state dict for {type(target).__name__} lacks "
-                    f"{sorted(missing)}; got keys {sorted(state)}."
+                    f"the state dict does not fit {type(target).__name__} "
+                    f"(fields {list(fields)}): it lacks {sorted(missing)} and "
+                    f"has unknown {sorted(unknown)}. Was it saved from another "
+                    "kind of loss scale?"
                 )
             leaves = [
                 serialization.from_state_dict(

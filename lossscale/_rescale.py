@@ -6,8 +6,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from lossscale import _tree
+from lossscale import _checks, _tree
 
 
 @jax.custom_vjp
@@ -43,8 +44,8 @@ def rescale_gradient(tree: Any, factor: jax.typing.ArrayLike) -> Any:
 
     Args:
         tree: an array or pytree of arrays (e.g. activations).
-        factor: a scalar, e.g. ``up.loss_scale / down.loss_scale``. No
-            gradient flows into it.
+        factor: a finite scalar > 0, e.g. ``up.loss_scale /
+            down.loss_scale``. No gradient flows into it.
 
     Returns:
         ``tree`` itself.
@@ -55,9 +56,12 @@ def rescale_gradient(tree: Any, factor: jax.typing.ArrayLike) -> Any:
         >>> jax.grad(lambda x: lossscale.rescale_gradient(x, 8.0) * 3.0)(1.0)
         Array(24., dtype=float32)
     """
-    factor = jnp.asarray(factor, jnp.float32)
-    if factor.shape != ():
+    value = _checks.scalar_float("factor", factor)
+    if _checks.is_concrete(value) and not (
+        np.isfinite(value) and float(value) > 0
+    ):
         raise ValueError(
-            f"factor must be a scalar, got factor with shape {factor.shape}."
+            "factor must be finite and > 0 (a ratio of two loss scales), got "
+            f"factor={factor!r}."
         )
-    return _rescale(tree, factor)
+    return _rescale(tree, jnp.asarray(value, jnp.float32))

@@ -280,9 +280,9 @@ class DynamicLossScale:
     max_loss_scale]``, which lies in ``[2**-126, 2**126]``: it and its
     reciprocal are normal float32 numbers, never 0, inf or NaN, whatever
     the inputs (a NaN scale, from a traced initial value or a corrupted
-    checkpoint, becomes ``min_loss_scale``). With power-of-two factors and
-    bounds, every scale is the initial scale times a power of two, so
-    unscaling is exact. The configuration reads back exactly as given
+    checkpoint, becomes ``min_loss_scale``). With a power-of-two initial
+    scale, factors and bounds, every scale is a power of two, so unscaling
+    is exact. The configuration reads back exactly as given
     (``backoff_factor=0.8`` stays ``0.8``); the arithmetic is float32.
 
     Leaves (float32/int32 scalars): ``loss_scale``, ``growth_tracker``

@@ -71,6 +71,7 @@ def apply_if_finite(
     old_state: optax.OptState,
     *,
     impl: Impl,
+    like: Any = None,
 ) -> tuple[optax.Updates, optax.OptState]:
     """``update()`` if ``finite``, else zero updates and ``old_state``.
 
@@ -79,6 +80,8 @@ def apply_if_finite(
         update: a function of no arguments returning ``(updates, state)``.
         old_state: the state ``update`` starts from.
         impl: how to skip under tracing, ``"select"`` or ``"cond"``.
+        like: a tree (the gradients) whose leaves, matched by key path and
+            shape, give a skipped eager step's zero updates their sharding.
 
     Returns:
         ``(updates, state)``.
@@ -87,8 +90,8 @@ def apply_if_finite(
         if bool(finite):
             return update()
         updates, new_state = jax.eval_shape(update)
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), updates)
-        return zeros, _old_in_new_structure(old_state, new_state)
+        old = _old_in_new_structure(old_state, new_state)
+        return _zeros(updates, like), old
     if impl == "select":
         try:
             return select_update(finite, update, old_state)
@@ -102,6 +105,24 @@ def apply_if_finite(
                 stacklevel=3,
             )
     return cond_update(finite, update, old_state)
+
+
+def _zeros(shapes: Any, like: Any) -> Any:
+    """Concrete zeros of ``shapes``, placed like ``like``'s leaves where a
+    leaf of the same path and shape exists (a sharded gradient gives its
+    zero update its sharding), else on the default device."""
+    by_path = {
+        jax.tree_util.keystr(path): leaf
+        for path, leaf in jax.tree_util.tree_leaves_with_path(like)
+    }
+
+    def zero(path: Any, s: Any) -> jax.Array:
+        leaf = by_path.get(jax.tree_util.keystr(path))
+        if leaf is not None and jnp.shape(leaf) == tuple(s.shape):
+            return jnp.zeros_like(leaf, dtype=s.dtype)
+        return jnp.zeros(s.shape, s.dtype)
+
+    return jax.tree_util.tree_map_with_path(zero, shapes)
 
 
 def _old_in_new_structure(old_state: Any, new_state: Any) -> Any:
@@ -147,13 +168,16 @@ def _old_leaves_for(old_state: Any, new_state: Any) -> list[Any]:
             )
         if jnp.result_type(old) != new.dtype:
             old = lax.convert_element_type(old, new.dtype)
+        if _compat.is_tracer(new):  # a value traced in a skip branch
+            old = _compat.like_sharding(old, new)
         out.append(old)
     return out
 
 
 def _select(finite: jax.Array, new: Any, old: Any) -> jax.Array:
     # lax.select, not jnp.where: one primitive per leaf keeps tracing cheap.
-    return lax.select(finite, jnp.asarray(new), old)
+    new = jnp.asarray(new)
+    return lax.select(finite, new, _compat.like_sharding(old, new))
 
 
 def select_update(

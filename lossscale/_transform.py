@@ -61,6 +61,10 @@ class LossScaledState(NamedTuple):
             step's gradients held an inf or NaN, in tree order
             (``shape=(number of leaves,), dtype=bool``; read it with
             :func:`lossscale.nonfinite_paths`); else ``None``.
+        min_scale_skips: with ``on_min_scale="error"``, the number of
+            consecutive skipped steps on which a group whose gradients were
+            not finite was already at its minimum scale (``shape=(),
+            dtype=int32``); else ``None``.
     """
 
     loss_scale: Any
@@ -71,6 +75,7 @@ class LossScaledState(NamedTuple):
     steps: jax.Array
     last_skip_step: jax.Array
     nonfinite: jax.Array | None = None
+    min_scale_skips: jax.Array | None = None
 
 
 # How to skip under tracing. Private: tests and benchmarks compare the two
@@ -169,16 +174,17 @@ def loss_scaled(
         on_min_scale: ``"ignore"`` (the default: keep skipping; watch
             ``at_min_scale`` and ``consecutive_skips`` in :func:`metrics`)
             or ``"error"``: raise a ``FloatingPointError`` once
-            ``min_scale_patience`` consecutive steps were skipped with the
-            loss scale at its minimum, where lowering it no longer helps. A
+            ``min_scale_patience`` consecutive steps were skipped although
+            the scale of a group whose gradients overflowed was already at
+            its minimum (the minimum was tried, and lowering no longer
+            helps); the state then counts them in ``min_scale_skips``. A
             :class:`StaticLossScale` or :class:`NoOpLossScale` is always at
             its minimum; a policy of your own must report ``at_min_scale``
             in its ``metrics()``. Under ``jit`` the error comes from the
             host through ``jax.debug.callback`` (called only when it
             fires), and JAX may wrap it in its own runtime error.
-        min_scale_patience: the number of consecutive skipped steps at the
-            minimum scale before ``on_min_scale="error"`` raises; a
-            positive int.
+        min_scale_patience: the number of such consecutive skipped steps
+            before ``on_min_scale="error"`` raises; a positive int.
         report_nonfinite: record in the state which gradient leaves held an
             inf or NaN in the last step (agreed over ``axis_name``), for
             :func:`lossscale.nonfinite_paths` and the ``nonfinite_leaves``
@@ -452,7 +458,7 @@ def _transformation(spec: _Spec) -> optax.GradientTransformationExtraArgs:
         if spec.grouped:
             _labels(spec, spec.initial, params)
         if spec.report_nonfinite:
-            n = sum(map(_tree.is_float, jax.tree.leaves(params)))
+            n = len(_tree.leaves_and_nones(params))
             leaves = jnp.zeros((n,), jnp.bool_)
         return LossScaledState(
             loss_scale=_public(spec, spec.initial),
@@ -463,6 +469,11 @@ def _transformation(spec: _Spec) -> optax.GradientTransformationExtraArgs:
             steps=jnp.zeros((), jnp.int32),
             last_skip_step=jnp.full((), -1, jnp.int32),
             nonfinite=leaves,
+            min_scale_skips=(
+                jnp.zeros((), jnp.int32)
+                if spec.on_min_scale == "error"
+                else None
+            ),
         )
 
     def update_fn(
@@ -535,17 +546,20 @@ def _update(
         lambda: _inner_update(spec, plan, unscaled, state, params, extra_args),
         state.inner_state,
         impl=spec.skip_impl,
+        like=grads,
     )
     new_groups = _adjust(groups, group_finite)
     counters = _next_counters(state, finite)
+    min_scale_skips = None
     if spec.on_min_scale == "error":
-        _min_scale_alarm(
-            new_groups, counters.consecutive_skips, spec.min_scale_patience
+        min_scale_skips = _min_scale_alarm(
+            groups, group_finite, state.min_scale_skips, spec.min_scale_patience
         )
     return updates, counters._replace(
         loss_scale=_public(spec, new_groups),
         inner_state=inner_state,
         nonfinite=nonfinite,
+        min_scale_skips=min_scale_skips,
     )
 
 
@@ -585,6 +599,11 @@ class _Plan(NamedTuple):
     paths: list[str]
     floats: list[int]  # indices of the floating leaves
     members: dict[Hashable, list[int]]  # group -> its unmasked floats
+    floors: dict[Hashable, float | None]  # of the scales in the state
+    # Where each leaf stands among the leaves and Nones of the gradients:
+    # report_nonfinite's flags, one per leaf or None, line up with params.
+    report_positions: list[int]
+    report_size: int
 
 
 def _plan(spec: _Spec, groups: Groups, grads: optax.Updates) -> _Plan:
@@ -605,8 +624,13 @@ def _plan(spec: _Spec, groups: Groups, grads: optax.Updates) -> _Plan:
     for i in floats:
         if mask[i]:
             members[labels[i]].append(i)
+    # The floor of the scale in the state, where the trace shows it (a
+    # dynamic scale's bound is static); a static scale's value is traced
+    # under jit, and then the one given to loss_scaled is the best guide.
+    floors = {label: _floor(scale) for label, scale in groups.items()}
     for label, idx in members.items():
-        floor = spec.floors[label]
+        floor = floors[label]
+        floor = spec.floors[label] if floor is None else floor
         if floor is None or floor >= 1:
             continue
         for i in idx:
@@ -622,7 +646,18 @@ def _plan(spec: _Spec, groups: Groups, grads: optax.Updates) -> _Plan:
                     "1.0, the default), or compute gradients in float32 "
                     "(float32 master weights)."
                 )
-    return _Plan(leaves, treedef, paths, floats, members)
+    with_nones = _tree.leaves_and_nones(grads)
+    positions = [j for j, leaf in enumerate(with_nones) if leaf is not None]
+    return _Plan(
+        leaves,
+        treedef,
+        paths,
+        floats,
+        members,
+        floors,
+        positions,
+        len(with_nones),
+    )
 
 
 class _Unscaled:
@@ -665,12 +700,14 @@ def _checked_values(
     scale cannot go below 1 the scaled gradients are finite exactly when the
     unscaled ones are: they are checked as they arrive, and XLA need not
     fuse the unscale into the check. Where the scale may go below 1 (or its
-    floor is unknown) the unscaled ones are checked, after the scaled ones
+    floor is unknown: a static scale's value, traced under ``jit``, may be
+    anything a checkpoint or a user put in the state) the unscaled ones are
+    checked, after the scaled ones
     when called eagerly: scaled gradients already non-finite are never
     unscaled (``jax_debug_nans`` would stop at the multiply).
     """
     raw = [jnp.asarray(plan.leaves[i]) for i in plan.members[label]]
-    floor = spec.floors[label]
+    floor = plan.floors[label]  # of the scale in use, not the initial one
     if floor is not None and floor >= 1:
         return raw
     eager = bool(raw) and not _compat.is_tracer(raw[0])
@@ -691,11 +728,10 @@ def _decide(
     )
     if bad is None:
         return group_finite, None
-    # One flag per floating gradient leaf, in tree order; masked leaves are
-    # not checked and read False.
-    position = {i: j for j, i in enumerate(plan.floats)}
-    checked = [position[i] for k in order for i in plan.members[k]]
-    nonfinite = jnp.zeros((len(plan.floats),), jnp.bool_)
+    # One flag per leaf (or None) of the gradients, in tree order, so that
+    # they line up with the params' leaves; only checked leaves can be True.
+    checked = [plan.report_positions[i] for k in order for i in plan.members[k]]
+    nonfinite = jnp.zeros((plan.report_size,), jnp.bool_)
     if checked:
         nonfinite = nonfinite.at[np.asarray(checked)].set(bad)
     return group_finite, nonfinite
@@ -703,12 +739,13 @@ def _decide(
 
 def _check_report_size(state: LossScaledState, plan: _Plan) -> None:
     size = None if state.nonfinite is None else jnp.shape(state.nonfinite)
-    if size != (len(plan.floats),):
+    if size != (plan.report_size,):
         raise ValueError(
-            "report_nonfinite=True records one flag per floating gradient "
-            f"leaf: the gradients have {len(plan.floats)}, but the state has "
-            f"room for {size} (from the params given to init). Give init "
-            "params with the gradients' floating leaves."
+            "report_nonfinite=True records one flag per leaf (or None) of "
+            f"the gradients: they have {plan.report_size}, but the state has "
+            f"room for {size}. The state must come from this "
+            "transformation's init, given params of the gradients' structure "
+            "(or a checkpoint of one built with report_nonfinite=True)."
         )
 
 
@@ -766,29 +803,42 @@ def _next_counters(
 
 
 def _min_scale_alarm(
-    groups: Groups, consecutive_skips: jax.Array, patience: int
-) -> None:
-    """Raises once ``patience`` skips in a row happened at the minimum."""
-    at_min = jnp.any(
-        jnp.stack(
-            [
-                jnp.asarray(_metrics_of(s)["at_min_scale"])
-                for s in groups.values()
-            ]
+    groups: Groups,
+    group_finite: jax.Array,
+    min_scale_skips: jax.Array | None,
+    patience: int,
+) -> jax.Array:
+    """Counts skips at the minimum; raises once there were ``patience``.
+
+    A skipped step counts when a group whose gradients were not finite was
+    already at its minimum scale when the step ran: lowering that scale no
+    longer helps. Any other step resets the count.
+    """
+    if min_scale_skips is None:
+        raise ValueError(
+            'on_min_scale="error" needs a state made by this transformation\'s '
+            "init (its min_scale_skips is None: a checkpoint saved without "
+            'on_min_scale="error"?).'
         )
+    at_min = jnp.stack(
+        [jnp.asarray(_metrics_of(s)["at_min_scale"]) for s in groups.values()]
     )
-    stuck = at_min & (consecutive_skips >= patience)
+    hit = jnp.any(jnp.logical_not(group_finite) & at_min)
+    count = jnp.where(hit, optax.safe_increment(min_scale_skips), 0)
+    count = count.astype(jnp.int32)
+    stuck = count >= patience
     scales = jnp.stack([jnp.asarray(s.loss_scale) for s in groups.values()])
     if not _compat.is_tracer(stuck):
-        _raise_stuck_at_min(stuck, consecutive_skips, scales)
-        return
-    lax.cond(
-        stuck,
-        lambda: jax.debug.callback(
-            _raise_stuck_at_min, stuck, consecutive_skips, scales
-        ),
-        lambda: None,
-    )
+        _raise_stuck_at_min(stuck, count, scales)
+    else:
+        lax.cond(
+            stuck,
+            lambda: jax.debug.callback(
+                _raise_stuck_at_min, stuck, count, scales
+            ),
+            lambda: None,
+        )
+    return count
 
 
 def _raise_stuck_at_min(

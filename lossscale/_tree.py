@@ -42,6 +42,16 @@ def compute_dtype(dtype: Any) -> np.dtype:
     return dtype
 
 
+def leaves_and_nones(tree: PyTree) -> list[Any]:
+    """The leaves of ``tree`` in order, with its ``None`` nodes among them.
+
+    Gradients hold ``None`` where the params hold an array whose gradient
+    is not taken (equinox's integer arrays, frozen leaves): counting the
+    ``None`` keeps the two lists aligned.
+    """
+    return jax.tree.leaves(tree, is_leaf=lambda x: x is None)
+
+
 def narrower_range_than_float32(dtype: Any) -> bool:
     """Whether a real floating dtype overflows below float32's maximum.
 

@@ -105,12 +105,13 @@ class TestHealth:
         state = tx.init(params)
         update = jax.jit(tx.update)
         bad = jnp.full(1, jnp.nan)
-        # Skips 1, 2 back off to the minimum; skip 3 is the first at the
-        # minimum with 3 consecutive skips: it raises, the earlier ones not.
-        for _ in range(2):
+        # Skips 1 and 2 run at 4 and 2 and back off to the minimum 1; skips
+        # 3, 4 and 5 run at the minimum, and the third of them raises.
+        for _ in range(4):
             _, state = update(bad, state, params)
             jax.block_until_ready(state)
-        with pytest.raises(Exception, match="consecutive steps had non-finite"):
+        assert int(lossscale.metrics(state)["min_scale_skips"]) == 2
+        with pytest.raises(Exception, match="3 consecutive steps had non-fin"):
             _, state = update(bad, state, params)
             jax.block_until_ready(state)
 

@@ -168,3 +168,16 @@ def test_import_lossscale_does_not_import_flax():
 )
 def test_flax_serialization_in_either_import_order(first):
     assert run_fresh(first + "\n" + ROUND_TRIP).strip() == "ok"
+
+
+def test_a_state_dict_of_another_loss_scale_is_refused():
+    dynamic = serialization.to_state_dict(lossscale.DynamicLossScale(8.0))
+    with pytest.raises(ValueError, match="growth_tracker"):
+        serialization.from_state_dict(lossscale.StaticLossScale(1.0), dynamic)
+    static = serialization.to_state_dict(lossscale.StaticLossScale(4.0))
+    with pytest.raises(ValueError, match="lacks"):
+        serialization.from_state_dict(lossscale.DynamicLossScale(), static)
+    restored = serialization.from_state_dict(
+        lossscale.StaticLossScale(1.0), static
+    )
+    assert float(restored.loss_scale) == 4.0  # control: the right kind fits

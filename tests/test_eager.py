@@ -127,3 +127,20 @@ def test_on_min_scale_error_raises_directly():
     _, state = tx.update(bad, state, params)
     with pytest.raises(FloatingPointError, match="2 consecutive steps"):
         tx.update(bad, state, params)
+
+
+def test_eager_skip_keeps_the_gradients_sharding():
+    """A skipped eager step's zero updates are sharded like the gradients
+    (not gathered whole onto every device)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("x",))
+    sharding = NamedSharding(mesh, P("x"))
+    params = {"w": jax.device_put(jnp.ones(64), sharding)}
+    grads = {"w": jax.device_put(jnp.ones(64).at[3].set(jnp.inf), sharding)}
+    tx = lossscale.loss_scaled(optax.adam(1e-2), lossscale.StaticLossScale(2.0))
+    updates, state = tx.update(grads, tx.init(params), params)
+    assert not bool(state.grads_finite)
+    assert updates["w"].sharding.is_equivalent_to(sharding, 1)
+    np.testing.assert_array_equal(updates["w"], np.zeros(64))

@@ -133,7 +133,7 @@ def test_wrong_tree_is_a_clear_error():
         optax.sgd(0.1), lossscale.NoOpLossScale(), report_nonfinite=True
     )
     state = tx.init(p)
-    with pytest.raises(ValueError, match="1 floating leaves, but the grad"):
+    with pytest.raises(ValueError, match="1 leaves, but the gradients had 2"):
         lossscale.nonfinite_paths(state, {"a": jnp.ones(3)})
     with pytest.raises(ValueError, match="room for"):
         tx.update({"a": jnp.ones(3)}, state)
@@ -165,6 +165,7 @@ def test_pmap_every_replica_reports_every_device_s_leaves():
     assert flags.shape == (N, 2)
     assert (flags == flags[:1]).all()  # every replica agrees
     assert lossscale.nonfinite_paths(state, p) == ["['b']", "['w']"]
+    assert lossscale.metrics(state)["nonfinite_leaves"].tolist() == [2] * N
 
 
 def test_shard_map_every_device_reports_every_device_s_leaves():
@@ -218,3 +219,31 @@ def test_sharded_jit_reports_a_leaf_bad_in_one_shard(axis_type):
         }
         _, state = jax.jit(tx.update)(grads, jax.jit(tx.init)(placed), placed)
     assert lossscale.nonfinite_paths(state, p) == ["['w']"]
+
+
+def test_a_float_param_with_a_none_gradient():
+    """A frozen leaf's gradient is None: the flags still line up."""
+    p = {"w": jnp.ones(2), "frozen": jnp.ones(3), "b": jnp.ones(2)}
+    tx = lossscale.loss_scaled(
+        optax.sgd(0.1), lossscale.StaticLossScale(2.0), report_nonfinite=True
+    )
+    bad = {"w": jnp.ones(2), "frozen": None, "b": jnp.array([1.0, jnp.inf])}
+    _, state = jax.jit(tx.update)(bad, tx.init(p), p)
+    assert lossscale.nonfinite_paths(state, p) == ["['b']"]
+    assert lossscale.nonfinite_paths(state, bad) == ["['b']"]
+
+
+def test_vmapped_ensemble_counts_per_member():
+    p = {"w": jnp.ones(3)}
+    tx = lossscale.loss_scaled(
+        optax.sgd(0.1), lossscale.StaticLossScale(1.0), report_nonfinite=True
+    )
+    states = jax.vmap(lambda _: tx.init(p))(jnp.arange(3))
+    grads = {"w": jnp.ones((3, 3)).at[1, 0].set(jnp.nan)}  # member 1 only
+    _, states = jax.vmap(lambda g, s: tx.update(g, s))(grads, states)
+    counts = lossscale.metrics(states)["nonfinite_leaves"]
+    assert counts.tolist() == [0, 1, 0]
+    with pytest.raises(ValueError, match="one member's state"):
+        lossscale.nonfinite_paths(states, p)
+    member = jax.tree.map(lambda x: x[1], states)
+    assert lossscale.nonfinite_paths(member, p) == ["['w']"]

@@ -227,6 +227,56 @@ class TestOnMinScale:
             _, state = update(bad, state, params)
             jax.block_until_ready(state)
 
+    def test_counts_only_skips_at_the_minimum(self):
+        """The minimum scale is tried before the alarm fires.
+
+        A float16 gradient of 60000 overflows at any scale above 1: the
+        scale backs off 16 -> 8 -> 4 -> 2 -> 1 (four skips not at the
+        minimum), and at 1 the step applies. No error.
+        """
+        tx = lossscale.loss_scaled(
+            optax.sgd(1e-9),
+            lossscale.DynamicLossScale(2.0**4),
+            on_min_scale="error",
+            min_scale_patience=3,
+        )
+        params = jnp.ones(2)
+        state = tx.init(params)
+
+        def loss(p, scale):
+            return scale.scale(
+                jnp.sum(p.astype(jnp.float16) * jnp.float16(60000.0))
+            )
+
+        for _ in range(6):
+            scale = lossscale.get_loss_scale(state)
+            grads = jax.grad(loss)(params, scale)
+            _, state = tx.update(grads, state, params)
+        assert int(state.skipped_steps) == 4
+        assert int(lossscale.metrics(state)["min_scale_skips"]) == 0
+
+    def test_a_group_at_its_minimum_counts_only_when_it_overflows(self):
+        tx = lossscale.loss_scaled_by_group(
+            optax.sgd(0.1),
+            {
+                "enc": lossscale.StaticLossScale(1.0),  # always at minimum
+                "dec": lossscale.DynamicLossScale(2.0**24),
+            },
+            param_labels={"enc": "enc", "dec": "dec"},
+            on_min_scale="error",
+            min_scale_patience=2,
+        )
+        params = {"enc": jnp.ones(2), "dec": jnp.ones(2)}
+        state = tx.init(params)
+        bad = {"enc": jnp.ones(2), "dec": jnp.full(2, jnp.inf)}
+        for _ in range(10):  # dec backs off; enc is finite: no alarm
+            _, state = tx.update(bad, state, params)
+        assert int(state.min_scale_skips) == 0
+        worse = {"enc": jnp.full(2, jnp.nan), "dec": jnp.ones(2)}
+        _, state = tx.update(worse, state, params)
+        with pytest.raises(FloatingPointError, match="2 consecutive steps"):
+            tx.update(worse, state, params)
+
     def test_metrics_say_static_scales_are_at_their_minimum(self):
         for ls in (lossscale.StaticLossScale(8.0), lossscale.NoOpLossScale()):
             tx = lossscale.loss_scaled(optax.sgd(0.1), ls)
@@ -252,3 +302,19 @@ def test_float16_parameters():
         )
         assert bool(state.grads_finite)  # the gradients were finite
         assert bool(jnp.isfinite(updates).all()) == finite_update, dtype
+
+
+def test_a_static_scale_changed_in_the_state_is_still_checked():
+    """The floor that decides what is checked is the state's, not init's.
+
+    A static scale is a leaf: a checkpoint or a user may put 0.5 where 1.0
+    was. Unscaling a finite float16 gradient by 0.5 then overflows: the
+    step must be skipped, not applied with an inf update.
+    """
+    tx = lossscale.loss_scaled(optax.sgd(1e-3), lossscale.StaticLossScale(1.0))
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)._replace(loss_scale=lossscale.StaticLossScale(0.5))
+    grads = {"w": jnp.array([40000.0, 1.0], jnp.float16)}
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    assert not bool(state.grads_finite)
+    np.testing.assert_array_equal(updates["w"], [0.0, 0.0])

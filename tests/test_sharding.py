@@ -121,9 +121,12 @@ def specs_of(tree):
 
 
 def collectives(compiled):
-    """(op, result type) of every cross-device operation in the program."""
+    """(result type, op) of every cross-device operation in the program.
+
+    The result type may be a tuple (several scalars all-reduced at once).
+    """
     return re.findall(
-        r"= (\S+) (all-reduce|all-gather|all-to-all|collective-permute|"
+        r"= (.+?) (all-reduce|all-gather|all-to-all|collective-permute|"
         r"reduce-scatter)(?:-start)?\(",
         compiled.as_text(),
     )
@@ -235,3 +238,42 @@ def test_exports_for_gpu_and_tpu_under_explicit_sharding():
     assert exported.platforms == ("cuda", "tpu")
     text = exported.mlir_module()
     assert "is_finite" in text
+
+
+@pytest.mark.parametrize("impl", ["select", "cond"])
+def test_state_whose_sharding_changes_in_the_update(impl):
+    """ZeRO-style gradients meet a replicated state: the new moments come
+    out sharded like the gradients, as in plain optax, and the select (or
+    the conditional) between old and new reshards the old ones to match."""
+    mesh = explicit_mesh((8,), ("x",))
+    inner = optax.adam(1e-2)
+    tx = loss_scaled(
+        optax.adam(1e-2), lossscale.StaticLossScale(2.0), impl=impl
+    )
+
+    def make_step(opt):
+        def step(params, state, x, poison):
+            grads = jax.grad(lambda p: jnp.sum((x @ p["w"]) ** 2))(params)
+            grads = jax.tree.map(lambda g: g * poison, grads)
+            grads = jax.sharding.reshard(grads, {"w": P("x", None)})
+            updates, state = opt.update(grads, state, params)
+            updates = jax.sharding.reshard(updates, {"w": P()})
+            return optax.apply_updates(params, updates), state
+
+        return jax.jit(step)
+
+    with set_mesh(mesh):
+        params = {"w": jax.device_put(jnp.ones((16, 4)) / 4, P())}
+        x = jax.device_put(jnp.ones((8, 16)), P("x", None))
+        one = jnp.float32(1.0)
+        _, plain_state = make_step(inner)(params, inner.init(params), x, one)
+        state = tx.init(params)
+        new_params, new_state = make_step(tx)(params, state, x, one)
+        assert specs_of(new_state.inner_state) == specs_of(plain_state)
+        before = jax.tree.map(np.asarray, new_state.inner_state)
+        out, skipped = make_step(tx)(
+            new_params, new_state, x, jnp.float32(np.inf)
+        )
+    assert not bool(skipped.grads_finite)
+    assert_trees_bitwise_equal(out, new_params)
+    assert_trees_bitwise_equal(skipped.inner_state, before)

@@ -302,3 +302,67 @@ def test_narrow_gradients_with_a_floor_of_one_are_accepted():
     params = {"w": jnp.full(3, 60000.0, jnp.float16)}
     _, state = jax.jit(tx.update)(params, tx.init(params), params)
     assert bool(state.grads_finite)  # 60000 / 2**16 is finite in float16
+
+
+def test_numpy_str_axis_name_is_a_name():
+    lossscale.loss_scaled(INNER, LS, axis_name=np.str_("data"))
+
+
+@pytest.mark.parametrize(
+    "factor, error",
+    [
+        ("a", TypeError),
+        (1j, TypeError),
+        (True, TypeError),
+        (float("inf"), ValueError),
+        (float("nan"), ValueError),
+        (0.0, ValueError),
+        (-2.0, ValueError),
+        (jnp.ones(2), ValueError),
+    ],
+)
+def test_rescale_gradient_bad_factor(factor, error):
+    with pytest.raises(error, match="factor") as info:
+        lossscale.rescale_gradient(jnp.ones(3), factor)
+    if error is ValueError and jnp.ndim(factor) == 0:
+        assert repr(factor) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"headroom": "2"}, TypeError),
+        ({"headroom": 0.5}, ValueError),
+        ({"scales": [float("inf")]}, ValueError),
+        ({"scales": [2.0**200]}, ValueError),
+        ({"scales": [0.0, 1.0]}, ValueError),
+    ],
+)
+def test_diagnose_bad_arguments(kwargs, error):
+    name = next(iter(kwargs))
+    with pytest.raises(error, match=name):
+        lossscale.diagnose(lambda w: jnp.sum(w), jnp.ones(2), **kwargs)
+
+
+@pytest.mark.parametrize("k", [0, -1, 1.5, True])
+def test_multisteps_bad_every_k(k):
+    with pytest.raises((TypeError, ValueError), match="every_k_schedule"):
+        lossscale.MultiSteps(optax.sgd(1.0), every_k_schedule=k)
+
+
+def test_unknown_axis_name_under_shard_map():
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("data",))
+    tx = lossscale.loss_scaled(INNER, LS, axis_name="batch")
+    state = tx.init(jnp.ones(8))
+    specs = jax.tree.map(lambda _: P(), state)
+    step = jax.shard_map(
+        lambda g, s: tx.update(g, s)[1],
+        mesh=mesh,
+        in_specs=(P("data"), specs),
+        out_specs=specs,
+    )
+    sharded = jax.device_put(jnp.ones(8), jax.NamedSharding(mesh, P("data")))
+    with pytest.raises(ValueError, match=r"not mapped axes here.*'data'"):
+        jax.jit(step)(sharded, state)
