@@ -72,22 +72,20 @@ def _together(leaves: Sequence[jax.Array]) -> list[jax.Array]:
 def _cpu_flags(leaves: Sequence[jax.Array]) -> list[jax.Array]:
     """One finiteness flag per leaf, by variadic reductions; see above.
 
-    Only leaves that each device holds whole are reduced this way: the
-    partitioner splits a variadic reduction of a sharded array less well
-    than a plain one (it gathers per-device flags instead of all-reducing
-    one, and reshards operands whose shardings differ). The type shows the
-    sharding under explicit mesh axes, inside ``shard_map`` and on one
-    device; elsewhere (automatic axes, or several devices and no mesh in
-    context), and for leaves sharded across devices, each leaf gets the
-    plain reduction, at the cost of its temporary.
+    Only leaves whose type shows that each device holds them whole (under
+    explicit mesh axes, inside ``shard_map``, or on one device) are reduced
+    together: operands of one reduction must share a sharding, or XLA
+    reshards (moves) some of them first. Any other leaf (sharded, or under
+    automatic axes, or on a host of several devices with no mesh in
+    context, where the type does not show the sharding) is reduced alone;
+    the partitioner then moves one flag per device, not the leaf.
     """
-    if _compat.shardings_hidden():
-        return _default_flags(leaves)
+    hidden = _compat.shardings_hidden()
     flags: list[Any] = [None] * len(leaves)
     by_key: dict[Any, list[int]] = {}
     for i, x in enumerate(leaves):
-        if any(entry is not None for entry in _compat.spec(x)):
-            flags[i] = leaf_finite(x)
+        if hidden or any(entry is not None for entry in _compat.spec(x)):
+            flags[i] = _alone(x)
         else:
             by_key.setdefault((x.shape, _compat.vma(x)), []).append(i)
     for idx in by_key.values():

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import lossscale
 from lossscale import _finite
-from tests.helpers import enable_x64
+from tests.helpers import enable_x64, set_mesh
 
 FLOAT_DTYPES = [
     jnp.float16,
@@ -73,7 +73,21 @@ class TestAllFinite:
             assert not bool(lossscale.all_finite(x * 10))
 
 
-BRANCHES = {"cpu": _finite._cpu_flags, "default": _finite._default_flags}
+BRANCHES = {
+    # On this 8-device test process the CPU branch reduces each leaf alone
+    # (the types do not show how arrays are sharded); on one device of an
+    # explicit mesh it reduces leaves of one shape together. Both run.
+    "cpu": _finite._cpu_flags,
+    "cpu, grouped": _finite._cpu_flags,
+    "default": _finite._default_flags,
+}
+
+
+def one_device_mesh():
+    explicit = jax.sharding.AxisType.Explicit
+    return jax.make_mesh(
+        (1,), ("one",), axis_types=(explicit,), devices=jax.devices()[:1]
+    )
 
 
 @pytest.mark.parametrize("branch", sorted(BRANCHES))
@@ -86,9 +100,15 @@ class TestBothBranches:
     """
 
     def flags(self, branch, leaves):
-        return jax.jit(lambda *xs: jnp.stack(BRANCHES[branch](list(xs))))(
-            *leaves
-        )
+        def run():
+            return jax.jit(lambda *xs: jnp.stack(BRANCHES[branch](list(xs))))(
+                *leaves
+            )
+
+        if branch == "cpu, grouped":
+            with set_mesh(one_device_mesh()):
+                return run()
+        return run()
 
     @pytest.mark.parametrize(
         "shape", [(1,), (1023,), (100_003,), (40, 37), (3, 40, 33), (8, 1000)]
@@ -127,6 +147,23 @@ class TestBothBranches:
         want = [bool(np.isfinite(x).all()) for x in leaves]
         got = self.flags(branch, leaves).tolist() if leaves else []
         assert got == want
+
+
+def test_cpu_branch_groups_leaves_of_one_shape_where_types_allow():
+    leaves = [jnp.ones((65, 65)) for _ in range(8)] + [jnp.ones(5)] * 20
+
+    def reductions(mesh):
+        with set_mesh(mesh):
+            jaxpr = jax.make_jaxpr(lambda *xs: _finite._cpu_flags(list(xs)))(
+                *leaves
+            )
+        return sum(eqn.primitive.name == "reduce" for eqn in jaxpr.eqns)
+
+    # 8 large leaves, 4 at a time; 20 small ones, 16 at a time.
+    assert reductions(one_device_mesh()) == 2 + 2
+    # Under automatic axes of 8 devices each leaf is reduced alone.
+    auto = jax.sharding.AxisType.Auto
+    assert reductions(jax.make_mesh((8,), ("x",), axis_types=(auto,))) == 28
 
 
 def test_cpu_branch_materialises_nothing():
