@@ -44,8 +44,9 @@ class MultiSteps(optax.MultiSteps):
     def __init__(
         self,
         opt: optax.GradientTransformation,
-        every_k_schedule: int
-        | Callable[[jax.typing.ArrayLike], jax.typing.ArrayLike],
+        # Callable[..., Any]: optax annotates the schedule differently
+        # across its supported versions.
+        every_k_schedule: int | Callable[..., Any],
         *args: Any,
         **kwargs: Any,
     ) -> None:
