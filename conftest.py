@@ -23,7 +23,8 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "slow: a smoke run (demo, notebooks, benchmark, several processes, "
-        "pyright) of seconds to minutes; -m 'not slow' leaves the contract",
+        "pyright) or the long tail of a sweep (the optax zoo, every mesh "
+        "layout); -m 'not slow' keeps one case of every behaviour",
     )
 
 

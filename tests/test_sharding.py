@@ -132,9 +132,23 @@ def collectives(compiled):
     )
 
 
-@pytest.mark.parametrize("impl", ["select", "cond"])
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
+def mesh_cases():
+    """Every layout under both axis types with both skips; a quick run
+    (-m "not slow") keeps the default skip under explicit axes."""
+    for axis_type in ("explicit", "auto"):
+        for layout in sorted(LAYOUTS):
+            for impl in ("select", "cond"):
+                quick = axis_type == "explicit" and impl == "select"
+                yield pytest.param(
+                    axis_type,
+                    layout,
+                    impl,
+                    id=f"{axis_type}-{layout}-{impl}",
+                    marks=() if quick else pytest.mark.slow,
+                )
+
+
+@pytest.mark.parametrize("axis_type, layout, impl", list(mesh_cases()))
 def test_train_step_on_a_mesh(axis_type, layout, impl):
     mesh = make_mesh(axis_type)
     inner = optax.adamw(1e-2, weight_decay=0.1)

@@ -287,13 +287,25 @@ def host(tree):
     return jax.tree.map(leaf, tree)
 
 
+# The optimizers every quick run (-m "not slow") checks; the rest of the zoo
+# runs in the full suite.
+QUICK_ZOO = {"adafactor", "adam", "clip+adam", "lion", "nesterov", "sgd"}
+
+
+def zoo_params():
+    return [
+        pytest.param(name, marks=() if name in QUICK_ZOO else pytest.mark.slow)
+        for name in sorted(ZOO)
+    ]
+
+
 def zoo_grads(params, rng):
     return jax.tree.map(
         lambda p: jnp.asarray(rng.normal(size=p.shape) * 64, p.dtype), params
     )
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize("name", zoo_params())
 def test_optax_zoo(name):
     """Finite steps are plain optax's; a skipped step changes nothing.
 
@@ -383,7 +395,7 @@ MORE_BUFFERS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize("name", zoo_params())
 def test_optax_zoo_temp_memory(name):
     """The default skip adds no temporary buffer to plain optax's program.
 
