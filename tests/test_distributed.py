@@ -265,3 +265,46 @@ def test_sharded_jit_needs_no_axis_name(impl):
     p, s = step(params, state, good)
     assert bool(s.grads_finite)
     assert not np.any(np.asarray(p["w"]) == 1.0)
+
+
+@pytest.mark.standard_promotion
+def test_shard_map_without_vma_checks_needs_every_axis_named():
+    """check_vma=False: JAX cannot tell which values differ between devices,
+    so every mapped axis must be named; named, the devices agree."""
+    mesh = mesh1d()
+    params = jnp.ones(N)
+    grads = (jnp.arange(1.0, N + 1.0) * 256).at[3].set(jnp.inf)
+
+    def run(axis_name):
+        tx = lossscale.loss_scaled(
+            optax.sgd(1.0),
+            lossscale.StaticLossScale(256.0),
+            axis_name=axis_name,
+        )
+        state = tx.init(params)
+        specs = jax.tree.map(lambda _: P(), state)
+
+        def step(p, s, g):
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        f = jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(P("d"), specs, P("d")),
+            out_specs=(P("d"), specs),
+            check_vma=False,
+        )
+        return jax.jit(f)(
+            put(mesh, params, P("d")),
+            put(mesh, state, specs),
+            put(mesh, grads, P("d")),
+        )
+
+    with pytest.raises(
+        ValueError, match=r"check_vma=False.*axis_name=\('d',\)"
+    ):
+        run(None)
+    p, s = run("d")
+    assert not bool(s.grads_finite)
+    np.testing.assert_array_equal(np.asarray(p), np.ones(N))
