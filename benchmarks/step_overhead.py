@@ -401,14 +401,23 @@ def transformer_compile(layers: int, *, scan: bool, clip: bool, rounds: int):
     # peak_memory), which is how compile time is split from tracing here.
     names = [name for name in TRAIN_VARIANTS if name != "jmp"]
     steps = train_steps(clipped_adamw if clip else adamw, loss_fn, names)
+    return compile_times(steps, params, batch, rounds, donate=True)
+
+
+def compile_times(steps: dict, params, data, rounds: int, *, donate=False):
+    """Trace, then lower and compile each ``step(params, state, data)``.
+
+    Caches are cleared before each, so every round compiles from scratch.
+    """
+    donate_argnums = (0, 1) if donate else ()
     times = {name: [] for name in steps}
     for _ in range(rounds):
         for name, (init, step) in steps.items():
             state = init(params)
             jax.clear_caches()
             start = time.perf_counter()
-            traced = jax.jit(step, donate_argnums=(0, 1)).trace(
-                params, state, batch
+            traced = jax.jit(step, donate_argnums=donate_argnums).trace(
+                params, state, data
             )
             middle = time.perf_counter()
             traced.lower().compile()
@@ -526,17 +535,7 @@ def compile_time(leaves: int, rounds: int):
         "lossscale (cond)": lossscale_step(optax.adam(1e-3), "cond"),
         "unscale + all_finite, no skip": check_only_step(optax.adam(1e-3)),
     }
-    times = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, (init, step) in variants.items():
-            state = init(params)
-            jax.clear_caches()
-            start = time.perf_counter()
-            traced = jax.jit(step).trace(params, state, grads)
-            middle = time.perf_counter()
-            traced.lower().compile()
-            times[name].append((middle - start, time.perf_counter() - middle))
-    return split_times(times)
+    return compile_times(variants, params, grads, rounds)
 
 
 def peak_memory(n_params: int):
