@@ -2,9 +2,10 @@
 
 ``update`` (:func:`_update`) is a sequence of named steps, each a function
 below: :func:`_plan` (which leaves belong to which loss scale),
-:class:`_Unscaled`, :func:`_decide` (the finiteness check, agreed across
-devices), :func:`lossscale._skip.apply_if_finite` (the inner update, or the
-skip), :func:`_adjust` (the next loss scales), :func:`_next_counters` and
+:func:`_refuse_narrow_gradients`, :class:`_Unscaled`, :func:`_decide` (the
+finiteness check, agreed across devices),
+:func:`lossscale._skip.apply_if_finite` (the inner update, or the skip),
+:func:`_adjust` (the next loss scales), :func:`_next_counters` and
 :func:`_min_scale_alarm`.
 
 Internally every state holds a dict of loss scales, one per group; a
@@ -531,6 +532,7 @@ def _update(
     """One step: unscale, check, update or skip, adjust, count."""
     groups = _groups(spec, state.loss_scale)
     plan = _plan(spec, groups, grads)
+    _refuse_narrow_gradients(spec, plan)
     if spec.report_nonfinite:
         _check_report_size(state, plan)
     unscaled = _Unscaled(plan, groups)
@@ -607,13 +609,7 @@ class _Plan(NamedTuple):
 
 
 def _plan(spec: _Spec, groups: Groups, grads: optax.Updates) -> _Plan:
-    """Assigns each floating, unmasked gradient leaf to its group.
-
-    Also refuses, at trace time, float16 (or float8) gradients under a
-    scale that may go below 1: unscaling a finite gradient would then
-    overflow, and backing off would make it worse, so every step would be
-    skipped.
-    """
+    """Assigns each floating, unmasked gradient leaf to its group."""
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
     leaves = [leaf for _, leaf in with_paths]
     paths = [jax.tree_util.keystr(path) for path, _ in with_paths]
@@ -625,27 +621,9 @@ def _plan(spec: _Spec, groups: Groups, grads: optax.Updates) -> _Plan:
         if mask[i]:
             members[labels[i]].append(i)
     # The floor of the scale in the state, where the trace shows it (a
-    # dynamic scale's bound is static); a static scale's value is traced
-    # under jit, and then the one given to loss_scaled is the best guide.
+    # dynamic scale's bound is static; a static scale's value is traced
+    # under jit).
     floors = {label: _floor(scale) for label, scale in groups.items()}
-    for label, idx in members.items():
-        floor = floors[label]
-        floor = spec.floors[label] if floor is None else floor
-        if floor is None or floor >= 1:
-            continue
-        for i in idx:
-            dtype = jnp.result_type(leaves[i])
-            if _tree.narrower_range_than_float32(dtype):
-                where = "loss_scale" if label == _SINGLE else repr(label)
-                raise ValueError(
-                    f"the gradient at {paths[i] or '<root>'} is {dtype}, and "
-                    f"the loss scale {where} can go down to {floor!r} < 1: a "
-                    f"finite {dtype} gradient divided by it can overflow "
-                    f"{dtype}, and backing off would only make that worse. "
-                    "Keep the scale >= 1 for such gradients (min_loss_scale="
-                    "1.0, the default), or compute gradients in float32 "
-                    "(float32 master weights)."
-                )
     with_nones = _tree.leaves_and_nones(grads)
     positions = [j for j, leaf in enumerate(with_nones) if leaf is not None]
     return _Plan(
@@ -658,6 +636,34 @@ def _plan(spec: _Spec, groups: Groups, grads: optax.Updates) -> _Plan:
         positions,
         len(with_nones),
     )
+
+
+def _refuse_narrow_gradients(spec: _Spec, plan: _Plan) -> None:
+    """Refuses float16 (or float8) gradients under a scale that may go
+    below 1: unscaling a finite gradient could overflow, and backing off
+    would make it worse, so every step would be skipped.
+
+    Where the trace does not show the floor of the scale in use (a static
+    scale under ``jit``), the scale given to ``loss_scaled`` is the guide.
+    """
+    for label, idx in plan.members.items():
+        floor = plan.floors[label]
+        floor = spec.floors[label] if floor is None else floor
+        if floor is None or floor >= 1:
+            continue
+        for i in idx:
+            dtype = jnp.result_type(plan.leaves[i])
+            if _tree.narrower_range_than_float32(dtype):
+                where = "loss_scale" if label == _SINGLE else repr(label)
+                raise ValueError(
+                    f"the gradient at {plan.paths[i] or '<root>'} is {dtype}, "
+                    f"and the loss scale {where} can go down to {floor!r} < "
+                    f"1: a finite {dtype} gradient divided by it can overflow "
+                    f"{dtype}, and backing off would only make that worse. "
+                    "Keep the scale >= 1 for such gradients (min_loss_scale="
+                    "1.0, the default), or compute gradients in float32 "
+                    "(float32 master weights)."
+                )
 
 
 class _Unscaled:
