@@ -129,7 +129,9 @@ def diagnose(
         )
 
     ref_fn = reference_loss_fn or loss_fn
-    reference = jax.grad(ref_fn)(params, *args)
+    # Compiled, like the scaled gradients below: eagerly, each operation of
+    # the model would be dispatched (and compiled) on its own.
+    reference = jax.jit(lambda p: jax.grad(ref_fn)(p, *args))(params)
     ref_nonzero = [
         np.asarray(r) != 0
         for r in jax.tree.leaves(reference)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -183,6 +184,24 @@ def check(
         ``axis_name``: a leaf bad on one device is bad on all.
     """
     groups = [[jnp.asarray(x) for x in group] for group in groups]
+    if axis_name is None and not any(
+        _compat.is_tracer(x) for group in groups for x in group
+    ):
+        # Called eagerly (all_finite on arrays, an eager update): one
+        # compiled program per tree signature, cached, instead of one
+        # dispatch (and a first-time compile) per operation per leaf.
+        # Under jax.disable_jit the jit is a no-op and the operations run
+        # one by one, as the user asked.
+        return _check_compiled(groups, per_leaf=per_leaf)
+    return _check(groups, axis_name=axis_name, per_leaf=per_leaf)
+
+
+def _check(
+    groups: Sequence[Sequence[jax.Array]],
+    *,
+    axis_name: AxisName,
+    per_leaf: bool,
+) -> tuple[jax.Array, jax.Array | None]:
     sizes = [len(group) for group in groups]
 
     def flags(
@@ -211,6 +230,11 @@ def check(
         group_finite.append(jnp.all(ok[start : start + size]))
         start += size
     return jnp.stack(group_finite), jnp.logical_not(ok)
+
+
+_check_compiled = jax.jit(
+    functools.partial(_check, axis_name=None), static_argnames="per_leaf"
+)
 
 
 def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:

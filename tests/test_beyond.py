@@ -215,7 +215,7 @@ def test_flax_fp8_metadata_untouched_with_train_state():
     model, fp8_ops = fp8_model()
     owg = fp8_ops.OVERWRITE_WITH_GRADIENT
     x = jax.random.normal(jax.random.key(1), (4, 8))
-    variables = model.init(jax.random.key(0), x)
+    variables = jax.jit(model.init)(jax.random.key(0), x)
     scale = 2.0**8
 
     def loss_fn(v):
@@ -230,8 +230,10 @@ def test_flax_fp8_metadata_untouched_with_train_state():
             optax.sgd(0.1), lossscale.StaticLossScale(scale)
         ),
     )
-    grads = jax.grad(lambda v: scale * loss_fn(v))(state.params)
-    new = state.apply_gradients(grads=grads)
+    # Compiled, not eager: the test is about values, and one compile is
+    # cheaper than op-by-op dispatch.
+    grads = jax.jit(jax.grad(lambda v: scale * loss_fn(v)))(state.params)
+    new = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, grads)
     meta = new.params[owg]["Fp8DirectDotGeneralOp_0"]
     np.testing.assert_array_equal(
         meta["input_amax_history"],
@@ -244,7 +246,7 @@ def test_flax_fp8_metadata_untouched_with_train_state():
     from flax.training.dynamic_scale import DynamicScale
 
     ds = DynamicScale(scale=scale)
-    _, _, _, ds_grads = ds.value_and_grad(loss_fn)(variables)
+    _, _, _, ds_grads = jax.jit(ds.value_and_grad(loss_fn))(variables)
     corrupted = ds_grads[owg]["Fp8DirectDotGeneralOp_0"]["input_amax_history"][
         0
     ]

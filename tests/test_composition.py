@@ -44,9 +44,10 @@ class TestMultiStepsOutside:
     def run(self, tx, micro_grads, params, state=None):
         state = tx.init(params) if state is None else state
         scales = []
+        update = jax.jit(tx.update)  # once: each `tx.update` is a new method
         for g in micro_grads:
             scales.append(float(lossscale.get_loss_scale(state).loss_scale))
-            updates, state = jax.jit(tx.update)(g * scales[-1], state, params)
+            updates, state = update(g * scales[-1], state, params)
             params = optax.apply_updates(params, updates)
         return params, state, scales
 

@@ -57,12 +57,18 @@ def flat(tree):
     return jnp.concatenate([a.ravel() for a in jax.tree.leaves(tree)])
 
 
-def tower_stats(params, x, y, s_enc, s_dec):
-    """Overflow and underflow fractions per tower at the given scales."""
+@jax.jit
+def _tower_grads(params, x, y, s_enc, s_dec):
     ref = jax.grad(loss_fn)(params, x, y, jnp.float32)
     scaled = jax.grad(lambda p: s_dec * loss_fn(p, x, y, factor=s_enc / s_dec))(
         params
     )
+    return ref, scaled
+
+
+def tower_stats(params, x, y, s_enc, s_dec):
+    """Overflow and underflow fractions per tower at the given scales."""
+    ref, scaled = _tower_grads(params, x, y, s_enc, s_dec)
     out = {}
     for tower in ("enc", "dec"):
         g, r = flat(scaled[tower]), flat(ref[tower])
