@@ -21,6 +21,20 @@ FLOAT_DTYPES = [
 
 
 class TestAllFinite:
+    def test_eager_call_compiles_once_per_signature(self):
+        # Eagerly, the check runs as one cached program, not one dispatch
+        # (and first-time compile) per operation per leaf.
+        compiled = _finite._check_compiled
+        tree = {"a": jnp.ones((3, 5)), "b": jnp.ones(7, jnp.float16)}
+        assert bool(lossscale.all_finite(tree))
+        size = compiled._cache_size()
+        tree["a"] = tree["a"].at[1, 2].set(jnp.nan)
+        assert not bool(lossscale.all_finite(tree))
+        assert compiled._cache_size() == size  # same signature: no compile
+        tree["c"] = jnp.ones(2)
+        assert not bool(lossscale.all_finite(tree))
+        assert compiled._cache_size() == size + 1  # control: a new one
+
     @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
     @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
     def test_detects_each_bad_value(self, dtype, bad):
