@@ -93,6 +93,19 @@ def like_sharding(value: Any, reference: Any) -> Any:
     return jax.sharding.reshard(value, new)
 
 
+def pmap_laid_out(value: Any) -> bool:
+    """Whether a concrete array is laid out by ``jax.pmap``.
+
+    Before jax 0.8 such arrays carry a ``PmapSharding``, which ``jax.jit``
+    takes only by moving the data; since, ``pmap`` returns ordinary
+    ``NamedSharding`` arrays and the class is gone from ``jax.sharding``.
+    """
+    pmap_sharding = getattr(jax.sharding, "PmapSharding", None)
+    return pmap_sharding is not None and isinstance(
+        value.sharding, pmap_sharding
+    )
+
+
 def shardings_hidden() -> bool:
     """Whether arrays may be sharded in ways their types do not show.
 

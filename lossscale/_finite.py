@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -187,13 +188,44 @@ def check(
     if axis_name is None and not any(
         _compat.is_tracer(x) for group in groups for x in group
     ):
-        # Called eagerly (all_finite on arrays, an eager update): one
-        # compiled program per tree signature, cached, instead of one
-        # dispatch (and a first-time compile) per operation per leaf.
-        # Under jax.disable_jit the jit is a no-op and the operations run
-        # one by one, as the user asked.
-        return _check_compiled(groups, per_leaf=per_leaf)
+        return _check_concrete(groups, per_leaf=per_leaf)
     return _check(groups, axis_name=axis_name, per_leaf=per_leaf)
+
+
+def _check_concrete(
+    groups: Sequence[Sequence[jax.Array]], *, per_leaf: bool
+) -> tuple[jax.Array, jax.Array | None]:
+    """The check called eagerly (``all_finite`` on arrays, an eager update).
+
+    One compiled program per tree signature, cached, instead of one dispatch
+    (and a first-time compile) per operation per leaf; under
+    ``jax.disable_jit`` the operations run one by one, as asked. Leaves on
+    different devices (or laid out by an old ``pmap``), which one program
+    would first have to move, are checked each where it lives, and the flags
+    combined on the host.
+    """
+    leaves = [x for group in groups for x in group]
+    if not any(_compat.pmap_laid_out(x) for x in leaves) and (
+        len({frozenset(x.sharding.device_set) for x in leaves}) <= 1
+    ):
+        return _check_compiled(groups, per_leaf=per_leaf)
+    bad = np.asarray(
+        [
+            not bool(
+                _check([[x]], axis_name=None, per_leaf=False)[0][0]
+                if _compat.pmap_laid_out(x)
+                else _check_compiled([[x]], per_leaf=False)[0][0]
+            )
+            for x in leaves
+        ],
+        dtype=np.bool_,
+    )
+    bounds = np.cumsum([0] + [len(group) for group in groups])
+    group_finite = np.asarray(
+        [not bad[a:b].any() for a, b in itertools.pairwise(bounds)],
+        dtype=np.bool_,
+    )
+    return jnp.asarray(group_finite), jnp.asarray(bad) if per_leaf else None
 
 
 def _check(

@@ -144,3 +144,33 @@ def test_eager_skip_keeps_the_gradients_sharding():
     assert not bool(state.grads_finite)
     assert updates["w"].sharding.is_equivalent_to(sharding, 1)
     np.testing.assert_array_equal(updates["w"], np.zeros(64))
+
+
+def test_leaves_committed_to_different_devices():
+    # Model parallelism by hand: each leaf on its own device, no mesh. The
+    # eager check cannot be one program (its inputs would have to move), so
+    # each leaf is checked where it lives.
+    d0, d1 = jax.devices()[:2]
+    params = {
+        "a": jax.device_put(jnp.ones(3), d0),
+        "b": jax.device_put(jnp.ones(2), d1),
+    }
+    grads = {
+        "a": jax.device_put(jnp.full(3, 4.0), d0),
+        "b": jax.device_put(jnp.full(2, 8.0), d1),
+    }
+    assert bool(lossscale.all_finite(grads))
+    tx = lossscale.loss_scaled(
+        optax.sgd(1.0), lossscale.DynamicLossScale(4.0), report_nonfinite=True
+    )
+    state = tx.init(params)
+    updates, state = tx.update(grads, state, params)
+    np.testing.assert_array_equal(updates["a"], -np.ones(3))
+    np.testing.assert_array_equal(updates["b"], -2 * np.ones(2))
+
+    grads["b"] = grads["b"].at[1].set(jnp.inf)
+    assert not bool(lossscale.all_finite(grads))
+    updates, state = tx.update(grads, state, params)
+    assert_trees_bitwise_equal(updates, jax.tree.map(jnp.zeros_like, params))
+    assert lossscale.nonfinite_paths(state, params) == ["['b']"]
+    assert float(lossscale.get_loss_scale(state).loss_scale) == 2.0
