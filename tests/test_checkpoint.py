@@ -3,6 +3,7 @@
 import pathlib
 import subprocess
 import sys
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +114,81 @@ def test_flax_serialization_resume_is_bitwise():
     # Control: resuming from the fresh target instead diverges.
     other = train(target[0], target[1], xs[STEPS // 2 :])
     assert not np.array_equal(other[0]["w"], straight[0]["w"])
+
+
+class StateOf01(NamedTuple):
+    """lossscale 0.1's LossScaledState: the fields it had, in its order.
+
+    Checkpoints store field names and leaves, not the class: a state saved
+    as this one is byte for byte what 0.1 wrote (checked against 0.1's own
+    output when 0.2 was made).
+    """
+
+    loss_scale: Any
+    inner_state: Any
+    grads_finite: Any
+    skipped_steps: Any
+    consecutive_skips: Any
+    steps: Any
+    last_skip_step: Any
+
+
+def as_01(state):
+    return StateOf01(*state[: len(StateOf01._fields)])
+
+
+def test_state_with_default_options_has_the_structure_of_01():
+    params = init_params(0)
+    state = make_tx().init(params)
+
+    def paths(tree):
+        return [
+            jax.tree_util.keystr(k) for k, _ in jax.tree.leaves_with_path(tree)
+        ]
+
+    # As a plain NamedTuple the two None fields would be nodes of their own.
+    assert jax.tree.structure(state).num_nodes == (
+        jax.tree.structure(as_01(state)).num_nodes
+    )
+    assert paths(state) == paths(as_01(state))
+    reporting = lossscale.loss_scaled(
+        optax.sgd(1.0), lossscale.DynamicLossScale(), report_nonfinite=True
+    ).init(params)
+    assert paths(reporting)[-1] == ".nonfinite"
+
+
+def test_orbax_restores_a_checkpoint_of_01(tmp_path: pathlib.Path):
+    xs, straight, half = straight_and_first_half()
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "ckpt", {"params": half[0], "opt": as_01(half[1])})
+    target = fresh_target()
+    abstract = jax.tree.map(
+        ocp.utils.to_shape_dtype_struct,
+        {"params": target[0], "opt": target[1]},
+    )
+    with ocp.StandardCheckpointer() as ckpt:
+        restored = ckpt.restore(tmp_path / "ckpt", abstract)
+    assert isinstance(restored["opt"], lossscale.LossScaledState)
+    assert_trees_bitwise_equal(restored["opt"], half[1])
+    resumed = train(restored["params"], restored["opt"], xs[STEPS // 2 :])
+    assert_trees_bitwise_equal(resumed, straight)
+
+
+def test_flax_bytes_of_01_restore_with_the_two_new_keys():
+    # The recipe in the migration guide: flax matches a NamedTuple's fields
+    # exactly, so the two fields 0.2 added are set (to None) first.
+    xs, straight, half = straight_and_first_half()
+    blob = serialization.to_bytes({"params": half[0], "opt": as_01(half[1])})
+    target = fresh_target()
+    target = {"params": target[0], "opt": target[1]}
+    with pytest.raises(ValueError, match="field names"):
+        serialization.from_bytes(target, blob)  # control: as it is
+    raw = serialization.msgpack_restore(blob)
+    raw["opt"].update(nonfinite=None, min_scale_skips=None)
+    restored = serialization.from_state_dict(target, raw)
+    assert_trees_bitwise_equal(restored["opt"], half[1])
+    resumed = train(restored["params"], restored["opt"], xs[STEPS // 2 :])
+    assert_trees_bitwise_equal(resumed, straight)
 
 
 def test_flax_state_dict_names_the_leaves():
