@@ -42,6 +42,7 @@ __all__ = [
     "set_mesh",
     "shardings_hidden",
     "spec",
+    "tracing",
     "unchecked_manual_axes",
     "vma",
 ]
@@ -50,6 +51,21 @@ __all__ = [
 def is_tracer(value: Any) -> bool:
     """Whether ``value`` is an abstract value being traced (not concrete)."""
     return isinstance(value, jax.core.Tracer)
+
+
+def tracing() -> bool:
+    """Whether a transformation (``jit``, ``vmap``, ``grad``...) traces here.
+
+    Concrete arrays can meet a trace (closed over by a jitted function);
+    every operation on them is then staged into it and yields a tracer, so
+    the concreteness of the inputs does not tell whether results will be.
+    """
+    from jax._src import core  # no public equivalent
+
+    clean = getattr(core, "trace_state_clean", None)
+    if clean is not None:
+        return not clean()
+    return is_tracer(jnp.zeros(()))  # staged under any trace
 
 
 # --- varying mapped axes (shard_map) ----------------------------------------

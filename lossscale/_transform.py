@@ -755,7 +755,7 @@ def _checked_values(
     floor = plan.floors[label]  # of the scale in use, not the initial one
     if floor is not None and floor >= 1:
         return raw
-    eager = bool(raw) and not _compat.is_tracer(raw[0])
+    eager = bool(raw) and not _compat.tracing()
     if eager and not bool(_finite.check([raw])[0][0]):
         return raw
     return [jnp.asarray(x) for x in unscaled.group(label)]

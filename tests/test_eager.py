@@ -174,3 +174,38 @@ def test_leaves_committed_to_different_devices():
     assert_trees_bitwise_equal(updates, jax.tree.map(jnp.zeros_like, params))
     assert lossscale.nonfinite_paths(state, params) == ["['b']"]
     assert float(lossscale.get_loss_scale(state).loss_scale) == 2.0
+
+
+def test_concrete_leaves_closed_over_by_a_traced_function():
+    # Concrete arrays meeting a trace: every operation on them is staged,
+    # so the check must not take its eager (Python branch) path.
+    d0, d1 = jax.devices()[:2]
+    tree = {
+        "a": jax.device_put(jnp.ones(3), d0),
+        "b": jax.device_put(jnp.array([jnp.inf]), d1),
+    }
+    assert not bool(jax.jit(lambda: lossscale.all_finite(tree))())
+    params, grads = {"w": jnp.ones(3)}, {"w": jnp.full(3, 2.0)}
+    # A scale below 1: the check reads the unscaled gradients, after the
+    # scaled ones where it runs eagerly.
+    tx = lossscale.loss_scaled(optax.sgd(1.0), lossscale.StaticLossScale(0.5))
+    updates, _ = jax.jit(lambda s: tx.update(grads, s, params))(tx.init(params))
+    np.testing.assert_array_equal(updates["w"], np.full(3, -4.0))
+
+
+def test_one_device_set_in_two_orders():
+    # Two meshes over the same devices: one program cannot take both, so
+    # each leaf is checked where it lives.
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    grid = np.array(jax.devices()[:4]).reshape(2, 2)
+    a = jax.device_put(
+        np.ones(4), NamedSharding(Mesh(grid, ("a", "b")), P("a"))
+    )
+    b = jax.device_put(
+        np.array([1.0, 2.0, np.nan, 4.0]),
+        NamedSharding(Mesh(grid.T, ("b", "a")), P("a")),
+    )
+    assert bool(lossscale.all_finite([a, a]))
+    assert not bool(lossscale.all_finite([a, b]))
