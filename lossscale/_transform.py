@@ -67,10 +67,9 @@ class LossScaledState(NamedTuple):
             not finite was already at its minimum scale (``shape=(),
             dtype=int32``); else ``None``.
 
-    The two optional fields, when ``None``, are left out of the pytree (not
-    children of their own, as a NamedTuple's ``None`` fields would be): a
-    state built with the default options has the structure and key paths
-    of lossscale 0.1's, whose checkpoints therefore restore into it.
+    lossscale 0.1's state had the first seven fields only; to restore its
+    checkpoints, restore into a seven-field target and complete it with
+    ``LossScaledState(*restored)`` (see the guide's checkpointing section).
     """
 
     loss_scale: Any
@@ -82,40 +81,6 @@ class LossScaledState(NamedTuple):
     last_skip_step: jax.Array
     nonfinite: jax.Array | None = None
     min_scale_skips: jax.Array | None = None
-
-
-# The fields 0.2 added, each None unless its option is on. A state without
-# them flattens to the seven children of 0.1's state, under the same key
-# paths, so that a checkpoint written by 0.1 (orbax stores the tree's
-# structure) restores into a state built with the default options. As a
-# plain NamedTuple, the Nones would be children of their own.
-_OPTIONAL_FIELDS = ("nonfinite", "min_scale_skips")
-
-
-def _flatten_state(
-    state: LossScaledState,
-) -> tuple[list[tuple[Any, Any]], tuple[str, ...]]:
-    present = tuple(
-        name
-        for name in LossScaledState._fields
-        if name not in _OPTIONAL_FIELDS or getattr(state, name) is not None
-    )
-    children = [
-        (jax.tree_util.GetAttrKey(name), getattr(state, name))
-        for name in present
-    ]
-    return children, present
-
-
-def _unflatten_state(
-    present: tuple[str, ...], children: Any
-) -> LossScaledState:
-    return LossScaledState(**dict(zip(present, children, strict=True)))
-
-
-jax.tree_util.register_pytree_with_keys(
-    LossScaledState, _flatten_state, _unflatten_state
-)
 
 
 # How to skip under tracing. Private: tests and benchmarks compare the two

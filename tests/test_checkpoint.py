@@ -137,58 +137,74 @@ def as_01(state):
     return StateOf01(*state[: len(StateOf01._fields)])
 
 
-def test_state_with_default_options_has_the_structure_of_01():
-    params = init_params(0)
-    state = make_tx().init(params)
+FIELDS_01 = lossscale.LossScaledState._fields[:7]
 
-    def paths(tree):
-        return [
-            jax.tree_util.keystr(k) for k, _ in jax.tree.leaves_with_path(tree)
-        ]
 
-    # As a plain NamedTuple the two None fields would be nodes of their own.
-    assert jax.tree.structure(state).num_nodes == (
-        jax.tree.structure(as_01(state)).num_nodes
-    )
-    assert paths(state) == paths(as_01(state))
-    reporting = lossscale.loss_scaled(
-        optax.sgd(1.0), lossscale.DynamicLossScale(), report_nonfinite=True
-    ).init(params)
-    assert paths(reporting)[-1] == ".nonfinite"
+def target_01(state):
+    """The recipe's restore target: 0.1's fields, as a dict."""
+    return {name: getattr(state, name) for name in FIELDS_01}
 
 
 def test_orbax_restores_a_checkpoint_of_01(tmp_path: pathlib.Path):
     xs, straight, half = straight_and_first_half()
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(tmp_path / "ckpt", {"params": half[0], "opt": as_01(half[1])})
-    target = fresh_target()
+    params, opt = fresh_target()
+    with ocp.StandardCheckpointer() as ckpt, pytest.raises(ValueError):
+        ckpt.restore(  # control: the 0.2 state as the target
+            tmp_path / "ckpt",
+            jax.tree.map(
+                ocp.utils.to_shape_dtype_struct, {"params": params, "opt": opt}
+            ),
+        )
     abstract = jax.tree.map(
         ocp.utils.to_shape_dtype_struct,
-        {"params": target[0], "opt": target[1]},
+        {"params": params, "opt": target_01(opt)},
     )
     with ocp.StandardCheckpointer() as ckpt:
         restored = ckpt.restore(tmp_path / "ckpt", abstract)
-    assert isinstance(restored["opt"], lossscale.LossScaledState)
+    restored["opt"] = lossscale.LossScaledState(**restored["opt"])
     assert_trees_bitwise_equal(restored["opt"], half[1])
     resumed = train(restored["params"], restored["opt"], xs[STEPS // 2 :])
     assert_trees_bitwise_equal(resumed, straight)
 
 
-def test_flax_bytes_of_01_restore_with_the_two_new_keys():
-    # The recipe in the migration guide: flax matches a NamedTuple's fields
-    # exactly, so the two fields 0.2 added are set (to None) first.
+def test_flax_bytes_of_01_restore_through_the_same_recipe():
     xs, straight, half = straight_and_first_half()
     blob = serialization.to_bytes({"params": half[0], "opt": as_01(half[1])})
-    target = fresh_target()
-    target = {"params": target[0], "opt": target[1]}
-    with pytest.raises(ValueError, match="field names"):
-        serialization.from_bytes(target, blob)  # control: as it is
-    raw = serialization.msgpack_restore(blob)
-    raw["opt"].update(nonfinite=None, min_scale_skips=None)
-    restored = serialization.from_state_dict(target, raw)
+    params, opt = fresh_target()
+    with pytest.raises(ValueError, match="field names"):  # control
+        serialization.from_bytes({"params": params, "opt": opt}, blob)
+    restored = serialization.from_bytes(
+        {"params": params, "opt": target_01(opt)}, blob
+    )
+    restored["opt"] = lossscale.LossScaledState(**restored["opt"])
     assert_trees_bitwise_equal(restored["opt"], half[1])
     resumed = train(restored["params"], restored["opt"], xs[STEPS // 2 :])
     assert_trees_bitwise_equal(resumed, straight)
+
+
+def test_orbax_saves_and_restores_a_state_with_every_option(tmp_path):
+    params = init_params(0)
+    tx = lossscale.loss_scaled(
+        optax.sgd(1.0),
+        lossscale.DynamicLossScale(),
+        report_nonfinite=True,
+        on_min_scale="error",
+    )
+    state = tx.init(params)
+    _, state = jax.jit(tx.update)(
+        {"w": jnp.full((3, 2), jnp.inf)}, state, params
+    )
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "ckpt", {"opt": state})
+    target = jax.tree.map(
+        ocp.utils.to_shape_dtype_struct, {"opt": tx.init(init_params(1))}
+    )
+    with ocp.StandardCheckpointer() as ckpt:
+        restored = ckpt.restore(tmp_path / "ckpt", target)
+    assert_trees_bitwise_equal(restored["opt"], state)
+    assert lossscale.nonfinite_paths(restored["opt"], params) == ["['w']"]
 
 
 def test_flax_state_dict_names_the_leaves():
