@@ -113,8 +113,8 @@ def pmap_laid_out(value: Any) -> bool:
     """Whether a concrete array is laid out by ``jax.pmap``.
 
     Before jax 0.8 such arrays carry a ``PmapSharding``, which ``jax.jit``
-    takes only by moving the data; since, ``pmap`` returns ordinary
-    ``NamedSharding`` arrays and the class is gone from ``jax.sharding``.
+    takes only by moving the data; newer ``pmap`` returns ordinary
+    ``NamedSharding`` arrays, and the class is gone from ``jax.sharding``.
     """
     pmap_sharding = getattr(jax.sharding, "PmapSharding", None)
     return pmap_sharding is not None and isinstance(

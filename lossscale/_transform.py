@@ -67,9 +67,9 @@ class LossScaledState(NamedTuple):
             not finite was already at its minimum scale (``shape=(),
             dtype=int32``); else ``None``.
 
-    lossscale 0.1's state had the first seven fields only; to restore its
-    checkpoints, restore into a seven-field target and complete it with
-    ``LossScaledState(*restored)`` (see the guide's checkpointing section).
+    lossscale 0.1's state had the first seven fields only: restore its
+    checkpoints into a dict of those seven fields and complete it with
+    ``LossScaledState(**restored)`` (see the guide's checkpointing section).
     """
 
     loss_scale: Any
