@@ -112,7 +112,7 @@ def like_sharding(value: Any, reference: Any) -> Any:
 def pmap_laid_out(value: Any) -> bool:
     """Whether a concrete array is laid out by ``jax.pmap``.
 
-    Before jax 0.8 such arrays carry a ``PmapSharding``, which ``jax.jit``
+    On older JAX (0.7) such arrays carry a ``PmapSharding``, which ``jax.jit``
     takes only by moving the data; newer ``pmap`` returns ordinary
     ``NamedSharding`` arrays, and the class is gone from ``jax.sharding``.
     """
