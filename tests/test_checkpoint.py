@@ -273,3 +273,51 @@ def test_a_state_dict_of_another_loss_scale_is_refused():
         lossscale.StaticLossScale(1.0), static
     )
     assert float(restored.loss_scale) == 4.0  # control: the right kind fits
+
+
+def test_a_target_with_an_option_the_checkpoint_lacks(tmp_path):
+    params = init_params(0)
+    plain_tx = make_tx()
+    plain = plain_tx.init(params)
+    reporting = lossscale.loss_scaled(
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
+        lossscale.DynamicLossScale(),
+        report_nonfinite=True,
+    )
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "plain", {"opt": plain})
+        ckpt.save(tmp_path / "reporting", {"opt": reporting.init(params)})
+    with ocp.StandardCheckpointer() as ckpt:
+        by_orbax = ckpt.restore(
+            tmp_path / "plain",
+            jax.tree.map(
+                ocp.utils.to_shape_dtype_struct,
+                {"opt": reporting.init(params)},
+            ),
+        )["opt"]
+        dropped = ckpt.restore(
+            tmp_path / "reporting",
+            jax.tree.map(ocp.utils.to_shape_dtype_struct, {"opt": plain}),
+        )["opt"]
+    by_flax = serialization.from_bytes(
+        reporting.init(params), serialization.to_bytes(plain)
+    )
+    # The field comes back as saved, and the first update names the option.
+    for restored in (by_orbax, by_flax):
+        assert restored.nonfinite is None
+        with pytest.raises(ValueError, match="report_nonfinite=True"):
+            reporting.update(params, restored, params)
+    alarmed = lossscale.loss_scaled(
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
+        lossscale.DynamicLossScale(),
+        on_min_scale="error",
+    )
+    restored = serialization.from_bytes(
+        alarmed.init(params), serialization.to_bytes(plain)
+    )
+    assert restored.min_scale_skips is None
+    with pytest.raises(ValueError, match='on_min_scale="error"'):
+        alarmed.update(params, restored, params)
+    # Dropping the option just works.
+    assert dropped.nonfinite is None
+    plain_tx.update(params, dropped, params)
