@@ -139,6 +139,16 @@ def test_wrong_tree_is_a_clear_error():
         tx.update({"a": jnp.ones(3)}, state)
 
 
+def reporting_sgd(axis_name=None):
+    """sgd under a scale of 1, reporting which leaves overflowed."""
+    return lossscale.loss_scaled(
+        optax.sgd(0.1),
+        lossscale.StaticLossScale(1.0),
+        axis_name=axis_name,
+        report_nonfinite=True,
+    )
+
+
 def local_bad_grads():
     """Per-device gradients: device 3 overflows in 'b', device 6 in 'w'."""
     w = jnp.ones((N, 4))
@@ -148,12 +158,7 @@ def local_bad_grads():
 
 def test_pmap_every_replica_reports_every_device_s_leaves():
     p = {"w": jnp.ones(4), "b": jnp.ones(2)}
-    tx = lossscale.loss_scaled(
-        optax.sgd(0.1),
-        lossscale.StaticLossScale(1.0),
-        axis_name="i",
-        report_nonfinite=True,
-    )
+    tx = reporting_sgd(axis_name="i")
 
     @functools.partial(jax.pmap, axis_name="i")
     def step(state, grads):
@@ -171,12 +176,7 @@ def test_pmap_every_replica_reports_every_device_s_leaves():
 def test_shard_map_every_device_reports_every_device_s_leaves():
     mesh = jax.make_mesh((N,), ("d",), devices=jax.devices()[:N])
     p = {"w": jnp.ones(4), "b": jnp.ones(2)}
-    tx = lossscale.loss_scaled(
-        optax.sgd(0.1),
-        lossscale.StaticLossScale(1.0),
-        axis_name="d",
-        report_nonfinite=True,
-    )
+    tx = reporting_sgd(axis_name="d")
     state = tx.init(p)
     specs = jax.tree.map(lambda _: P(), state)
 
@@ -204,9 +204,7 @@ def test_sharded_jit_reports_a_leaf_bad_in_one_shard(axis_type):
         mesh = jax.make_mesh((4, 2), ("data", "model"))
     p = {"w": jnp.ones((8, 4)), "b": jnp.ones(4), "c": jnp.ones(4)}
     specs = {"w": P("data", "model"), "b": P("model"), "c": P()}
-    tx = lossscale.loss_scaled(
-        optax.sgd(0.1), lossscale.StaticLossScale(1.0), report_nonfinite=True
-    )
+    tx = reporting_sgd()
     with set_mesh(mesh):
         placed = {
             k: jax.device_put(v, NamedSharding(mesh, specs[k]))
@@ -235,9 +233,7 @@ def test_a_float_param_with_a_none_gradient():
 
 def test_vmapped_ensemble_counts_per_member():
     p = {"w": jnp.ones(3)}
-    tx = lossscale.loss_scaled(
-        optax.sgd(0.1), lossscale.StaticLossScale(1.0), report_nonfinite=True
-    )
+    tx = reporting_sgd()
     states = jax.vmap(lambda _: tx.init(p))(jnp.arange(3))
     grads = {"w": jnp.ones((3, 3)).at[1, 0].set(jnp.nan)}  # member 1 only
     _, states = jax.vmap(lambda g, s: tx.update(g, s))(grads, states)
