@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lossscale
+from lossscale._compat import explicit_mesh
 
 
 def main(port: int, process_id: int, init_timeout_s: int = 30) -> None:
@@ -40,7 +41,7 @@ def main(port: int, process_id: int, init_timeout_s: int = 30) -> None:
         **{k: v for k, v in timeouts.items() if k in accepted},
     )
     assert jax.device_count() == 4 and jax.local_device_count() == 2
-    mesh = jax.make_mesh((4,), ("data",))
+    mesh = explicit_mesh((4,), ("data",))
     replicated = NamedSharding(mesh, P())
     rows = NamedSharding(mesh, P("data"))
 

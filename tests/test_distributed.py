@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import lossscale
 from lossscale import _compat
-from tests.helpers import loss_scaled
+from tests.helpers import explicit_mesh, loss_scaled
 
 N = 8
 
@@ -125,7 +125,7 @@ def test_pmap_optax_apply_if_finite_diverges(impl):
 
 
 def mesh1d():
-    return jax.make_mesh((N,), ("d",), devices=jax.devices()[:N])
+    return explicit_mesh((N,), ("d",), devices=jax.devices()[:N])
 
 
 def put(mesh, tree, specs):
@@ -230,7 +230,7 @@ def test_shard_map_missing_axis_name_fails_loudly():
 @pytest.mark.standard_promotion
 @pytest.mark.parametrize("impl", ["select", "cond"])
 def test_sharded_jit_needs_no_axis_name(impl):
-    mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:N])
+    mesh = explicit_mesh((2, 4), ("data", "model"), devices=jax.devices()[:N])
     sharding = NamedSharding(mesh, P("data", "model"))
     params = jax.device_put({"w": jnp.ones((4, 8))}, sharding)
     tx = loss_scaled(

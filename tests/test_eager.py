@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import lossscale
-from tests.helpers import assert_trees_bitwise_equal
+from tests.helpers import assert_trees_bitwise_equal, explicit_mesh
 
 pytestmark = pytest.mark.standard_promotion
 
@@ -135,7 +135,7 @@ def test_eager_skip_keeps_the_gradients_sharding():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    mesh = jax.make_mesh((8,), ("x",))
+    mesh = explicit_mesh((8,), ("x",))
     sharding = NamedSharding(mesh, P("x"))
     params = {"w": jax.device_put(jnp.ones(64), sharding)}
     grads = {"w": jax.device_put(jnp.ones(64).at[3].set(jnp.inf), sharding)}

@@ -174,7 +174,7 @@ def test_pmap_every_replica_reports_every_device_s_leaves():
 
 
 def test_shard_map_every_device_reports_every_device_s_leaves():
-    mesh = jax.make_mesh((N,), ("d",), devices=jax.devices()[:N])
+    mesh = explicit_mesh((N,), ("d",), devices=jax.devices()[:N])
     p = {"w": jnp.ones(4), "b": jnp.ones(2)}
     tx = reporting_sgd(axis_name="d")
     state = tx.init(p)
@@ -201,7 +201,8 @@ def test_sharded_jit_reports_a_leaf_bad_in_one_shard(axis_type):
     if axis_type == "explicit":
         mesh = explicit_mesh((4, 2), ("data", "model"))
     else:
-        mesh = jax.make_mesh((4, 2), ("data", "model"))
+        auto = jax.sharding.AxisType.Auto
+        mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(auto, auto))
     p = {"w": jnp.ones((8, 4)), "b": jnp.ones(4), "c": jnp.ones(4)}
     specs = {"w": P("data", "model"), "b": P("model"), "c": P()}
     tx = reporting_sgd()

@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import lossscale
+from tests.helpers import explicit_mesh
 
 RANGE = re.escape("must be in [2**-126, 2**126]")
 BAD_SCALES = [
@@ -353,7 +354,7 @@ def test_multisteps_bad_every_k(k):
 def test_unknown_axis_name_under_shard_map():
     from jax.sharding import PartitionSpec as P
 
-    mesh = jax.make_mesh((8,), ("data",))
+    mesh = explicit_mesh((8,), ("data",))
     tx = lossscale.loss_scaled(INNER, LS, axis_name="batch")
     state = tx.init(jnp.ones(8))
     specs = jax.tree.map(lambda _: P(), state)
