@@ -9,6 +9,7 @@ from lossscale._compat import enable_x64, explicit_mesh, set_mesh
 
 __all__ = [
     "assert_trees_bitwise_equal",
+    "data_model_mesh",
     "enable_x64",
     "explicit_mesh",
     "loss_scaled",
@@ -24,6 +25,14 @@ def assert_trees_bitwise_equal(a, b):
         assert x.dtype == y.dtype
         assert x.shape == y.shape
         assert x.tobytes() == y.tobytes()
+
+
+def data_model_mesh(axis_type):
+    """A 4 x 2 ("data", "model") mesh of "explicit" or "auto" axes."""
+    if axis_type == "explicit":
+        return explicit_mesh((4, 2), ("data", "model"))
+    auto = jax.sharding.AxisType.Auto
+    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(auto, auto))
 
 
 def loss_scaled(inner, loss_scale, *, impl="select", **kwargs):

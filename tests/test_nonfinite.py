@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lossscale
-from tests.helpers import explicit_mesh, loss_scaled, set_mesh
+from tests.helpers import data_model_mesh, explicit_mesh, loss_scaled, set_mesh
 
 pytestmark = pytest.mark.standard_promotion
 
@@ -198,11 +198,7 @@ def test_shard_map_every_device_reports_every_device_s_leaves():
 
 @pytest.mark.parametrize("axis_type", ["explicit", "auto"])
 def test_sharded_jit_reports_a_leaf_bad_in_one_shard(axis_type):
-    if axis_type == "explicit":
-        mesh = explicit_mesh((4, 2), ("data", "model"))
-    else:
-        auto = jax.sharding.AxisType.Auto
-        mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(auto, auto))
+    mesh = data_model_mesh(axis_type)
     p = {"w": jnp.ones((8, 4)), "b": jnp.ones(4), "c": jnp.ones(4)}
     specs = {"w": P("data", "model"), "b": P("model"), "c": P()}
     tx = reporting_sgd()

@@ -1,7 +1,7 @@
 """Sharded training under jit: explicit and automatic mesh axes.
 
-``jax.make_mesh`` makes ``AxisType.Explicit`` axes by default in current
-JAX, and under them the sharding is part of every array's type: an
+``jax.make_mesh`` makes ``AxisType.Explicit`` axes by default since jax
+0.9, and under them the sharding is part of every array's type: an
 operation that cannot keep it is refused at trace time. The wrapper must
 run wherever plain optax runs, keep every output's sharding, and check
 finiteness with a local reduction per device and a scalar all-reduce,
@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 import lossscale
 from tests.helpers import (
     assert_trees_bitwise_equal,
+    data_model_mesh,
     explicit_mesh,
     loss_scaled,
     set_mesh,
@@ -72,13 +73,6 @@ LAYOUTS = {
     },
 }
 SCALE = 2.0**10
-
-
-def make_mesh(axis_type):
-    if axis_type == "explicit":
-        return explicit_mesh((4, 2), ("data", "model"))
-    auto = jax.sharding.AxisType.Auto
-    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(auto, auto))
 
 
 def place(mesh, tree, specs):
@@ -150,7 +144,7 @@ def mesh_cases():
 
 @pytest.mark.parametrize("axis_type, layout, impl", list(mesh_cases()))
 def test_train_step_on_a_mesh(axis_type, layout, impl):
-    mesh = make_mesh(axis_type)
+    mesh = data_model_mesh(axis_type)
     inner = optax.adamw(1e-2, weight_decay=0.1)
     tx = loss_scaled(
         optax.adamw(1e-2, weight_decay=0.1),
@@ -212,7 +206,7 @@ def test_train_step_on_a_mesh(axis_type, layout, impl):
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_all_finite_and_select_tree_on_an_explicit_mesh(layout):
-    mesh = make_mesh("explicit")
+    mesh = data_model_mesh("explicit")
     with set_mesh(mesh):
         params, grads = problem(mesh, layout)
         assert bool(jax.jit(lossscale.all_finite)(grads))
@@ -233,7 +227,7 @@ def test_exports_for_gpu_and_tpu_under_explicit_sharding():
     """
     from jax import export
 
-    mesh = make_mesh("explicit")
+    mesh = data_model_mesh("explicit")
     tx = lossscale.loss_scaled(
         optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
         lossscale.DynamicLossScale(SCALE),
