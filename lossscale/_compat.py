@@ -120,12 +120,20 @@ def pmap_laid_out(value: Any) -> bool:
     ``jax.sharding.PmapSharding`` warns (``DeprecationWarning``) on 0.8 and
     0.9 (on every eager check, had it been read there) and is gone in 0.10.
     """
-    from jax._src import sharding_impls  # see the docstring
-
-    pmap_sharding = getattr(sharding_impls, "PmapSharding", None)
-    return pmap_sharding is not None and isinstance(
-        value.sharding, pmap_sharding
+    return _PMAP_SHARDING is not None and isinstance(
+        value.sharding, _PMAP_SHARDING
     )
+
+
+def _pmap_sharding_class() -> type | None:
+    try:  # see pmap_laid_out
+        from jax._src import sharding_impls
+    except ImportError:  # pragma: no cover - present on every JAX tested
+        return None
+    return getattr(sharding_impls, "PmapSharding", None)
+
+
+_PMAP_SHARDING = _pmap_sharding_class()
 
 
 def shardings_hidden() -> bool:

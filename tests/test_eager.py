@@ -209,3 +209,24 @@ def test_one_device_set_in_two_orders():
     )
     assert bool(lossscale.all_finite([a, a]))
     assert not bool(lossscale.all_finite([a, b]))
+
+
+def test_pmap_outputs_checked_eagerly():
+    # Arrays laid out by jax.pmap (a PmapSharding on jax 0.7, checked where
+    # they live; NamedSharding since 0.8), alone and beside an array on one
+    # device, with the bad element on the last device.
+    n = jax.local_device_count()
+    rows = jax.pmap(lambda x: x * 2.0)(jnp.ones((n, 3)))
+    last = jnp.arange(float(n))[:, None] - (n - 1)
+    bad = jax.pmap(lambda x: x / x)(last)  # 0 / 0 on the last device
+    assert bool(lossscale.all_finite(rows))
+    assert bool(lossscale.all_finite({"r": rows, "x": jnp.ones(2)}))
+    assert not bool(lossscale.all_finite(bad))
+    assert not bool(lossscale.all_finite({"r": rows, "b": bad}))
+    params = {"r": jnp.ones((n, 3))}
+    tx = lossscale.loss_scaled(optax.sgd(1.0), lossscale.DynamicLossScale(2.0))
+    updates, state = tx.update({"r": rows}, tx.init(params), params)
+    np.testing.assert_array_equal(updates["r"], -np.ones((n, 3)))
+    updates, state = tx.update({"r": rows.at[n - 1, 0].set(jnp.inf)}, state)
+    assert not bool(state.grads_finite)
+    np.testing.assert_array_equal(updates["r"], np.zeros((n, 3)))
