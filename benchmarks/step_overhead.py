@@ -683,7 +683,10 @@ half each: with the check replaced by a read of one element, the wrapper
 compiled 0.06x of plain's time faster, without the skip 0.07x faster, and
 with neither exactly as fast as plain optax with the scale in the state
 (the bookkeeping is within noise). Ratios move by a few hundredths between
-runs here.
+runs here. The newest JAX gives the same picture: on jax 0.12.0.1 (Python
+3.13), one run of 5 rounds put lossscale at 1.17x plain optax for the loop
+of layers and 1.13x under scan (the scale in the state alone: 1.05x,
+1.03x).
 """
 
 
