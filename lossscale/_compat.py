@@ -18,6 +18,9 @@ What is used, and what happens if it moves:
   fields read as "varies over nothing", which disables that check only.
 - whether ``shard_map`` tracks varying axes (:func:`unchecked_manual_axes`):
   an internal config state. If it is missing, nothing is detected.
+- the ``PmapSharding`` class (:func:`pmap_laid_out`), which only jax 0.7's
+  ``pmap`` outputs carry. If it is missing, such outputs are checked
+  eagerly by one program, which first moves them: correct, but a copy.
 """
 
 from __future__ import annotations
