@@ -1,12 +1,16 @@
-"""lossscale: loss scaling for mixed-precision training with JAX and optax.
+"""lossscale: mixed-precision training with JAX and optax.
 
-Pure-functional loss-scale states (no-op, static, dynamic) that are pytrees,
-and an optax wrapper that unscales gradients, skips non-finite updates
-without a host round-trip, and adapts the scale.
+:func:`autocast` runs any JAX function with 16-bit matmuls and float32
+where 16 bits are unsafe; pure-functional loss-scale states (no-op,
+static, dynamic) that are pytrees, and an optax wrapper that unscales
+gradients, skips non-finite updates without a host round-trip, and adapts
+the scale.
 """
 
 from lossscale import _interop as _interop
 from lossscale._accumulation import MultiSteps
+from lossscale._autocast import autocast, float32_scope
+from lossscale._autocast_rules import DEFAULT_RULES as AUTOCAST_RULES
 from lossscale._diagnose import Diagnosis, diagnose
 from lossscale._finite import all_finite
 from lossscale._inspect import get_loss_scale, metrics, nonfinite_paths
@@ -31,6 +35,7 @@ _interop.register_flax_serialization(
 )
 
 __all__ = (
+    "AUTOCAST_RULES",
     "Diagnosis",
     "DynamicLossScale",
     "LossScale",
@@ -39,7 +44,9 @@ __all__ = (
     "NoOpLossScale",
     "StaticLossScale",
     "all_finite",
+    "autocast",
     "diagnose",
+    "float32_scope",
     "get_loss_scale",
     "loss_scaled",
     "loss_scaled_by_group",

@@ -26,13 +26,15 @@ What is used, and what happens if it moves:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
 
 import jax
 import jax.core
 import jax.numpy as jnp
 from jax.extend import core as jex_core
+from jax.extend import linear_util as jex_lu
+from jax.extend import source_info_util
 
 __all__ = [
     "bind_equation",
@@ -206,17 +208,128 @@ def literal_value(atom: Any) -> Any:
     return atom.val
 
 
-def bind_equation(eqn: Any, invals: Sequence[Any]) -> list[Any]:
-    """Evaluates one jaxpr equation, as ``jax.core.eval_jaxpr`` does."""
-    params = eqn.primitive.get_bind_params(eqn.params)
+def bind_equation(
+    eqn: Any, invals: Sequence[Any], params: dict[str, Any] | None = None
+) -> list[Any]:
+    """Evaluates one jaxpr equation, as ``jax.core.eval_jaxpr`` does.
+
+    ``params``, if given, replace the equation's (e.g. a ``dot_general``'s
+    ``preferred_element_type`` when autocast changes its dtypes). The
+    equation's source information and name stack are kept, so that
+    profiles and HLO metadata name the user's code, not lossscale's.
+    """
+    params = eqn.primitive.get_bind_params(
+        eqn.params if params is None else params
+    )
     invals = list(invals)
     if isinstance(params, tuple):  # jax < 0.8 returned (subfuns, params)
         subfuns, params = params
         invals = [*subfuns, *invals]
-    ctx = getattr(eqn, "ctx", None)
-    with ctx.manager if ctx is not None else contextlib.nullcontext():
-        out = eqn.primitive.bind(*invals, **params)
+    with _equation_context(eqn):
+        out = eqn.primitive.bind(*invals, **cast(dict[str, Any], params))
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+@contextlib.contextmanager
+def _equation_context(eqn: Any) -> Iterator[None]:
+    info = getattr(eqn, "source_info", None)
+    ctx = getattr(eqn, "ctx", None)
+    with contextlib.ExitStack() as stack:
+        if info is not None:
+            names = source_info_util.current_name_stack() + info.name_stack
+            stack.enter_context(
+                source_info_util.user_context(info.traceback, name_stack=names)
+            )
+        if ctx is not None:
+            stack.enter_context(ctx.manager)
+        yield
+
+
+def name_stack(eqn: Any) -> str:
+    """The named scopes an equation was traced in, ``"outer/inner"``."""
+    info = getattr(eqn, "source_info", None)
+    return "" if info is None else str(info.name_stack)
+
+
+def function_name(eqn: Any) -> str | None:
+    """The name of the function an equation calls, if it calls one.
+
+    A ``jax.jit`` equation's ``name`` param; for ``custom_jvp_call`` and
+    ``custom_vjp_call``, the name of the decorated function, read from the
+    debug information of its jaxpr (``"relu at .../functions.py:71"``).
+    """
+    name = eqn.params.get("name")
+    if isinstance(name, str):
+        return name
+    closed = eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+    info = getattr(getattr(closed, "jaxpr", None), "debug_info", None)
+    func_name = getattr(info, "func_name", None)
+    if isinstance(func_name, str):
+        return func_name
+    src = getattr(info, "func_src_info", None)
+    if isinstance(src, str) and src:
+        return src.split(" ")[0]
+    return None
+
+
+def call_jaxpr(eqn: Any) -> Any:
+    """The closed jaxpr a call equation (``jit``, ``closed_call``) runs."""
+    for key in ("jaxpr", "call_jaxpr"):
+        jaxpr = eqn.params.get(key)
+        if jaxpr is not None:
+            if not hasattr(jaxpr, "consts"):  # an open jaxpr
+                return jex_core.ClosedJaxpr(jaxpr, ())
+            return jaxpr
+    raise KeyError(f"no jaxpr in the params of {eqn.primitive.name}")
+
+
+def bind_with_subfuns(
+    eqn: Any,
+    subfuns: Sequence[Callable[..., Any]],
+    invals: Sequence[Any],
+    drop: Sequence[str],
+) -> list[Any]:
+    """Binds a custom-derivative equation with functions of lossscale's.
+
+    ``subfuns`` replace the functions JAX derives from the equation's params
+    (for ``custom_jvp_call``: the function and its JVP rule); ``drop`` are
+    the params they replace. Each is wrapped as JAX's ``WrappedFun``, with
+    the debug information of the jaxpr it stands for.
+    """
+    closed = eqn.params["call_jaxpr"]
+    info = closed.jaxpr.debug_info
+    wrapped = [jex_lu.wrap_init(f, debug_info=info) for f in subfuns]
+    params = {k: v for k, v in eqn.params.items() if k not in drop}
+    probe = eqn.primitive.get_bind_params(eqn.params)
+    with _equation_context(eqn):
+        if isinstance(probe, tuple):  # jax < 0.8: functions come first
+            out = eqn.primitive.bind(*wrapped, *invals, **params)
+        else:
+            out = eqn.primitive.bind(*invals, subfuns=tuple(wrapped), **params)
+    return list(out)
+
+
+def jvp_jaxpr(
+    eqn: Any, zeros: Sequence[bool]
+) -> tuple[Any, list[Any], list[bool]]:
+    """A ``custom_jvp_call``'s JVP rule traced to a jaxpr, as JAX's
+    ``lift_jvp`` does: ``(jaxpr, consts, out_zeros)`` for tangents that are
+    symbolic zeros where ``zeros`` says so."""
+    fun = eqn.params["jvp_jaxpr_fun"]
+    jaxpr, consts, out_zeros = fun.call_wrapped(*zeros)
+    return jaxpr, list(consts), list(out_zeros)
+
+
+def is_symbolic_zero(x: Any) -> bool:
+    from jax._src.ad_util import SymbolicZero  # no public name
+
+    return type(x) is SymbolicZero
+
+
+def symbolic_zero_like(x: Any) -> Any:
+    from jax._src.ad_util import SymbolicZero
+
+    return SymbolicZero(jax.typeof(x).to_tangent_aval())
 
 
 # --- shims for the tests, examples and benchmarks --------------------------

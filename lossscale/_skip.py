@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from lossscale import _compat
+from lossscale import _compat, _interpret
 
 Impl = Literal["select", "cond"]
 IMPLS: tuple[Impl, ...] = ("select", "cond")
@@ -208,46 +208,41 @@ def select_update(
     jaxpr = closed.jaxpr
     old_leaves = _old_leaves_for(old_state, state_shape)
     n_updates = len(jax.tree.leaves(updates_shape))
-    update_atoms = jaxpr.outvars[:n_updates]
     state_atoms = jaxpr.outvars[n_updates:]
 
     # The old leaf each state variable falls back to. A variable returned
     # as two state leaves is substituted by its first one's selection; the
     # second is selected again below, with its own old leaf.
     fallback: dict[Any, Any] = {}
-    env: dict[Any, Any] = {}
 
-    def write(var: Any, value: Any) -> None:
+    def write(var: Any, value: Any) -> Any:
         old = fallback.get(var, _NOT_STATE)
-        env[var] = value if old is _NOT_STATE else _select(finite, value, old)
-
-    def read(atom: Any) -> Any:
-        if _compat.is_literal(atom):
-            return _compat.literal_value(atom)
-        return env[atom]
+        return value if old is _NOT_STATE else _select(finite, value, old)
 
     try:
         for atom, old in zip(state_atoms, old_leaves, strict=True):
             if _compat.is_var(atom):
                 fallback.setdefault(atom, old)
-        for var, const in zip(jaxpr.constvars, closed.consts, strict=True):
-            write(var, const)
-        for eqn in jaxpr.eqns:
-            outs = _compat.bind_equation(eqn, [read(a) for a in eqn.invars])
-            for var, out in zip(eqn.outvars, outs, strict=True):
-                write(var, out)
+        outs = _interpret.run(
+            jaxpr,
+            closed.consts,
+            [],
+            apply=_compat.bind_equation,
+            write=write,
+        )
     except (AttributeError, TypeError, KeyError) as err:
         # The update itself was traced without error above, so a failure
         # here is this evaluator meeting JAX internals it does not know.
         raise UnsupportedJax(f"{type(err).__name__}: {err}") from err
 
     updates = []
-    for atom in update_atoms:
-        value = jnp.asarray(read(atom))
+    for value in outs[:n_updates]:
+        value = jnp.asarray(value)
         updates.append(lax.select(finite, value, lax.full_like(value, 0)))
     state = []
-    for atom, old in zip(state_atoms, old_leaves, strict=True):
-        value = read(atom)
+    for atom, old, value in zip(
+        state_atoms, old_leaves, outs[n_updates:], strict=True
+    ):
         done = _compat.is_var(atom) and fallback[atom] is old
         state.append(value if done else _select(finite, value, old))
     return (
