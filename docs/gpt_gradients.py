@@ -29,12 +29,20 @@ SCALE = 2.0**16
 
 
 def gradients(params, dtype, batch, scale=1.0):
-    """Unscaled gradients of the loss times ``scale``, computed in dtype."""
-    graphdef, _ = nnx.split(gpt.make_model(0, dtype), nnx.Param)
+    """Unscaled gradients of the loss times ``scale``, computed in dtype
+    (with lossscale.autocast, as the demo's float16 modes compute them)."""
+    graphdef, _ = nnx.split(gpt.make_model(0), nnx.Param)
 
     def loss(p):
         logits = nnx.merge(graphdef, p)(batch[0])
-        return gpt.cross_entropy(logits, batch[1]) * scale
+        return gpt.cross_entropy(logits, batch[1])
+
+    if dtype != jnp.float32:
+        loss = lossscale.autocast(loss, dtype)
+    scaled = loss
+
+    def loss(p):
+        return scaled(p) * scale
 
     grads = jax.jit(jax.grad(loss))(params)
     return jax.tree.map(lambda g: np.asarray(g, np.float64) / scale, grads)
@@ -82,7 +90,7 @@ def report(step, params, batch):
             for g in (g16, scaled)
         ]
         print(f"| {kind} | {ref.size} | " + " | ".join(cells) + " |")
-    graphdef, _ = nnx.split(gpt.make_model(0, jnp.float32), nnx.Param)
+    graphdef, _ = nnx.split(gpt.make_model(0), nnx.Param)
     logits = nnx.merge(graphdef, params)(batch[0])
     tokens = batch[1].size
     probs = jax.nn.softmax(logits, axis=-1)
@@ -102,7 +110,7 @@ def main():
     corpus = text.load_corpus(gpt.TRAIN_CHARS, gpt.HELDOUT_CHARS)
     data = jnp.asarray(corpus.train)
     sample = gpt.sampler(config)
-    graphdef, params = nnx.split(gpt.make_model(0, jnp.float32), nnx.Param)
+    graphdef, params = nnx.split(gpt.make_model(0), nnx.Param)
     tx = lossscale.loss_scaled(
         gpt.optimizer(gpt.STEPS, config.learning_rate),
         lossscale.NoOpLossScale(),

@@ -31,6 +31,7 @@ STYLES = {
     "static": dict(color="tab:blue", ls="--", lw=1.2),
     "dynamic": dict(color="tab:green", ls=":", lw=1.6),
     "bf16": dict(color="tab:purple", ls="-.", lw=1.2),
+    "hand": dict(color="tab:orange", ls="--", lw=1.0),
 }
 
 

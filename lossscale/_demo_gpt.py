@@ -3,21 +3,25 @@
 A GPT-2-style decoder in flax NNX (pre-LayerNorm blocks of causal
 self-attention and a GELU MLP, learned positions, tied input and output
 embeddings) trained on the Python standard library's source (see
-:mod:`lossscale._demo_text`) in five modes:
+:mod:`lossscale._demo_text`) in six modes:
 
 1. ``f32``: float32 compute (the reference);
-2. ``f16``: float16 compute with float32 master weights, no loss scaling;
-3. ``static``: float16 with a static loss scale;
-4. ``dynamic``: float16 with :class:`lossscale.DynamicLossScale`;
-5. ``bf16``: bfloat16 compute (float32's range, so no scaling).
+2. ``f16``: :func:`lossscale.autocast` to float16 (float32 master
+   weights), no loss scaling;
+3. ``static``: autocast to float16 with a static loss scale;
+4. ``dynamic``: autocast to float16 with :class:`lossscale.DynamicLossScale`;
+5. ``bf16``: autocast to bfloat16 (float32's range, so no scaling);
+6. ``hand``: float16 cast by hand (``dtype=`` on every layer, the attention
+   scores and the logits cast to float32), with the dynamic scale: what
+   autocast replaces, for comparison.
 
-The setup is the usual one, not one chosen to make float16 fail: GPT-2's
-initialisation (normal with std 0.02, residual projections divided by
-sqrt(2 * layers)), the mean of the token cross-entropies as the loss, Adam
-with warmup, cosine decay and gradient clipping (no weight decay: a run
-this short does not overfit), and float32 where mixed-precision practice
-keeps it: the weights, LayerNorm statistics, the attention softmax and the
-cross-entropy of the logits.
+The model is written once, in float32, with no dtype arguments and no
+casts; autocast decides the precision of each operation. The setup is the
+usual one, not one chosen to make float16 fail: GPT-2's initialisation
+(normal with std 0.02, residual projections divided by sqrt(2 * layers)),
+the mean of the token cross-entropies as the loss, Adam with warmup, cosine
+decay and gradient clipping (no weight decay: a run this short does not
+overfit).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from lossscale import _demo_common as common
 from lossscale import _demo_text as text
 from lossscale._demo_common import Result, require
 
-MODES = ("f32", "f16", "static", "dynamic", "bf16")
+MODES = ("f32", "f16", "static", "dynamic", "bf16", "hand")
 STEPS = 300
 TRAIN_CHARS, HELDOUT_CHARS, EVAL_WINDOWS = 2_000_000, 100_000, 1024
 STATIC_SCALE = 2.0**15
@@ -81,12 +85,22 @@ def _stacked(nnx, make, rngs, count: int):
 def causal_attention(q, k, v):
     """Causal multi-head attention over ``[batch, time, heads, head_dim]``.
 
-    The scores come out of a matmul in the compute dtype, as under
-    PyTorch's autocast, and the softmax runs in float32 (where autocast
-    runs it too); the weights go back to the compute dtype for the second
-    matmul. (``jax.nn.dot_product_attention`` does the same, but its
-    float16 backward pass asks for a dot precision the CPU lacks.)
+    Written in float32 with no casts: under :func:`lossscale.autocast` the
+    two matmuls run in the compute dtype and the softmax in float32.
+    (``jax.nn.dot_product_attention`` would do as well, but its float16
+    backward pass asks for a dot precision that XLA's CPU backend lacks.)
     """
+    steps = q.shape[1]
+    scores = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
+    causal = jnp.tril(jnp.ones((steps, steps), dtype=bool))
+    weights = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bhts,bshd->bthd", weights, v)
+
+
+def hand_cast_attention(q, k, v):
+    """:func:`causal_attention` cast by hand, as before autocast: the
+    scores go to float32 for the softmax, the weights back to ``v``'s
+    dtype for the second matmul."""
     steps = q.shape[1]
     scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32)
     scores = scores / math.sqrt(q.shape[-1])
@@ -95,8 +109,16 @@ def causal_attention(q, k, v):
     return jnp.einsum("bhts,bshd->bthd", weights.astype(v.dtype), v)
 
 
-def make_model(seed: int, dtype, config: Config = Config()):
-    """The GPT with float32 weights computing in ``dtype``."""
+def make_model(seed: int, config: Config = Config(), hand_cast=None):
+    """The GPT, with float32 weights.
+
+    Args:
+        seed: the initialisation's seed.
+        config: the size.
+        hand_cast: ``None`` (the model as written: float32, no dtype
+            arguments), or a dtype that every layer computes in through
+            flax's ``dtype=`` (the ``hand`` mode's float16 reference).
+    """
     nnx = require("flax.nnx")
     width, heads = config.width, config.heads
     # GPT-2: std 0.02 everywhere, and 0.02 / sqrt(2 * layers) for the two
@@ -105,7 +127,8 @@ def make_model(seed: int, dtype, config: Config = Config()):
     normal = jax.nn.initializers.normal
     weights = normal(0.02)
     residual = normal(0.02 / math.sqrt(2 * config.layers))
-    dense = dict(dtype=dtype, param_dtype=jnp.float32)
+    dense = {} if hand_cast is None else dict(dtype=hand_cast)
+    attention = causal_attention if hand_cast is None else hand_cast_attention
     norm = functools.partial(nnx.LayerNorm, width, epsilon=1e-5, **dense)
 
     class Block(nnx.Module):
@@ -131,7 +154,7 @@ def make_model(seed: int, dtype, config: Config = Config()):
             q, k, v = jnp.split(
                 qkv.reshape(batch, steps, 3 * heads, width // heads), 3, axis=2
             )
-            attended = causal_attention(q, k, v).reshape(x.shape)
+            attended = attention(q, k, v).reshape(x.shape)
             x = x + self.attn_out(attended)
             return x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
 
@@ -153,8 +176,9 @@ def make_model(seed: int, dtype, config: Config = Config()):
                 return block(x)
 
             x = through(x, self.blocks)
-            # Tied output embedding; the loss reads float32 logits.
-            return self.tokens.attend(self.norm(x)).astype(jnp.float32)
+            logits = self.tokens.attend(self.norm(x))  # tied embedding
+            # Only the hand-cast model needs this cast (a no-op in float32).
+            return logits.astype(jnp.float32)
 
     return GPT(nnx.Rngs(seed))
 
@@ -162,7 +186,7 @@ def make_model(seed: int, dtype, config: Config = Config()):
 def loss_scale_for(mode: str) -> lossscale.LossScale:
     if mode == "static":
         return lossscale.StaticLossScale(STATIC_SCALE)
-    if mode == "dynamic":
+    if mode in ("dynamic", "hand"):
         return lossscale.DynamicLossScale(growth_interval=GROWTH_INTERVAL)
     return lossscale.NoOpLossScale()
 
@@ -228,7 +252,8 @@ def train(
     """Train in ``mode``, then evaluate the held-out loss in float32."""
     nnx = require("flax.nnx")
     corpus = text.load_corpus(TRAIN_CHARS, HELDOUT_CHARS)
-    model = make_model(seed, common.compute_dtype(mode), config)
+    hand = mode == "hand"
+    model = make_model(seed, config, jnp.float16 if hand else None)
     tx = lossscale.loss_scaled(
         optimizer(steps, config.learning_rate), loss_scale_for(mode)
     )
@@ -238,6 +263,8 @@ def train(
         inputs, targets = batch
         return cross_entropy(nnx.merge(graphdef, params)(inputs), targets)
 
+    if mode not in ("f32", "hand"):
+        loss_fn = lossscale.autocast(loss_fn, common.compute_dtype(mode))
     step = common.make_step(loss_fn, sampler(config), tx)
     keys = jax.random.split(jax.random.key(seed + 1), steps)
     params, records, seconds = common.run_steps(
@@ -250,7 +277,7 @@ def train(
         progress,
     )
     # Evaluate the final weights the same way for every mode: in float32.
-    eval_model = make_model(seed, jnp.float32, config)
+    eval_model = make_model(seed, config)
     nnx.update(eval_model, params)
     loss = heldout_loss(eval_model, corpus.heldout, config.context)
     return common.result(mode, records, loss, None, seconds)

@@ -440,6 +440,10 @@ def test_custom_vjp_rules_are_kept():
 def test_sharded_jit(mlp, axis_type):
     from helpers import data_model_mesh, set_mesh
 
+    if axis_type == "explicit" and not hasattr(jax, "set_mesh"):
+        # jax 0.7 refuses the float32 gradient of this step itself
+        # ("Contracting dimensions are sharded"), autocast or not.
+        pytest.skip("jax < 0.8 cannot differentiate this explicit layout")
     params, x = mlp
     mesh = data_model_mesh(axis_type)
     with set_mesh(mesh):
