@@ -25,7 +25,7 @@ import lossscale  # noqa: E402
 
 project = "lossscale"
 author = "The lossscale authors"
-copyright = "The lossscale authors"  # noqa: A001
+copyright = "The lossscale authors"
 release = lossscale.__version__
 version = release
 
