@@ -206,6 +206,28 @@ def test_the_api_page_documents_every_public_name_once():
     assert sorted(names) == sorted(lossscale.__all__)
 
 
+PRIVATE = re.compile(r"lossscale[/.]_(?!_)\w+")  # not __all__
+
+
+def public_docstrings():
+    import lossscale
+
+    for name in lossscale.__all__:
+        obj = getattr(lossscale, name)
+        yield name, obj.__doc__ or ""
+        for attr, member in vars(obj).items() if isinstance(obj, type) else ():
+            doc = getattr(member, "__doc__", None)
+            if doc and not attr.startswith("_"):
+                yield f"{name}.{attr}", doc
+
+
+def test_public_pages_and_docstrings_name_no_private_module():
+    for page in PAGES:
+        assert not PRIVATE.search(page.read_text()), page
+    found = [name for name, doc in public_docstrings() if PRIVATE.search(doc)]
+    assert found == []
+
+
 # The built site.
 
 RAW_MARKUP = [
