@@ -47,9 +47,10 @@ _NOTEBOOKS.mkdir(exist_ok=True)
 for _path in sorted((ROOT / "notebooks").glob("*.ipynb")):
     shutil.copy2(_path, _NOTEBOOKS / _path.name)
 
-# MyST: ```{directive} fences, $math$ is not needed; heading anchors so
-# that [text](page.md#section) links resolve (and are checked).
-myst_enable_extensions = ["colon_fence", "deflist"]
+# MyST: heading anchors, so that [text](page.md#section) links resolve
+# (a missing page or anchor is a myst.xref_missing warning, an error
+# under -W). The notebooks are rendered as stored, never executed here.
+myst_enable_extensions = ["colon_fence"]
 myst_heading_anchors = 3
 nb_execution_mode = "off"
 
