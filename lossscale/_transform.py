@@ -148,8 +148,9 @@ def loss_scaled(
        and keeps ``inner``'s state exactly as it was: its step count,
        moments and schedules do not advance. Under ``jit`` the skip is a
        branch-free select on the device (no host round-trip) that copies
-       no state (see ``lossscale/_skip.py``); called eagerly, it is a
-       Python branch, and a skipped step never runs ``inner.update``;
+       no state (see the guide's "Skipping without a host round-trip");
+       called eagerly, it is a Python branch, and a skipped step never
+       runs ``inner.update``;
     5. adjusts the loss scale (e.g. backs off a :class:`DynamicLossScale`).
 
     Read the scale for the next forward pass with

@@ -33,6 +33,7 @@ import itertools
 import math
 import pathlib
 import sys
+import tempfile
 from collections.abc import Sequence
 
 import jax
@@ -241,8 +242,30 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def prepare_out(out: pathlib.Path) -> None:
+    """Creates the --out folder and checks that it takes files.
+
+    Before any training, so that a folder that cannot hold the results
+    fails at once with a message rather than after minutes of training with
+    a traceback. Exits with status 2, as argparse does for a bad flag.
+    """
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        reason = error.strerror or str(error)
+        print(
+            f"python -m lossscale.demo: error: --out must be a folder that "
+            f"can be created and written to, got {str(out)!r}: {reason}",
+            file=sys.stderr,
+        )
+        raise SystemExit(2) from None
+
+
 def main(argv: Sequence[str] | None = None) -> list[Result]:
     args = parse_args(argv)
+    prepare_out(args.out)
     model = MODELS[args.model]
     print(
         f"Training {model.describe} for {args.steps} steps in each mode "
@@ -254,7 +277,6 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
     ]
     report = common.table(results, model.test_label)
     print(report)
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / model.results).write_text(report + "\n")
     if not args.no_plot:
         path = args.out / model.figure

@@ -1,5 +1,6 @@
 """python -m lossscale.demo: runs, reports, plots, and shows the effect."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -73,6 +74,43 @@ def test_bad_flag_from_the_command_line():
     assert proc.returncode == 2
     assert "--steps must be at least 10" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_an_out_folder_that_cannot_be_written_fails_before_training(
+    tmp_path, capsys, monkeypatch
+):
+    # A folder under a file cannot be created; main must stop before it
+    # trains anything (train is replaced by a function that fails).
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained before checking --out")
+
+    monkeypatch.setitem(
+        demo.MODELS,
+        "mlp",
+        dataclasses.replace(demo.MODELS["mlp"], train=no_training),
+    )
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--out", str(blocker / "results")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--out must be a folder that can be created and written to" in err
+    assert str(blocker / "results") in err
+
+
+def test_an_unwritable_out_folder_from_the_command_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "lossscale.demo", "--out", "/proc/nope"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "--out must be a folder that can be created" in proc.stderr
+    assert "/proc/nope" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "Training" not in proc.stdout
 
 
 @pytest.mark.slow

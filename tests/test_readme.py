@@ -1,20 +1,48 @@
-"""The README's Python snippets run as written."""
+"""The README's Python snippets run as copied: alone, and in order.
+
+The same rules as the guide's (tests/test_docs.py): a block runs alone in a
+fresh namespace unless its first line says which block it continues.
+"""
 
 import pathlib
 import re
 
 import pytest
 
+from tests.test_docs import (
+    check_markers,
+    python_blocks,
+    run_blocks,
+    run_in_a_fresh_interpreter,
+)
+
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+BLOCKS = python_blocks(README)
+
+
+def test_readme_blocks_say_what_they_continue_and_need():
+    assert BLOCKS, "the README has no python snippet"
+    assert not BLOCKS[0].continues
+    check_markers(BLOCKS)
 
 
 @pytest.mark.standard_promotion
-def test_readme_python_blocks_run(capsys):
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    assert blocks, "the README has no python snippet"
-    namespace: dict = {}
-    for block in blocks:
-        exec(compile(block, str(README), "exec"), namespace)
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.name)
+def test_readme_block_runs_alone(block):
+    run_blocks([*block.before, block])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "block", [b for b in BLOCKS if not b.continues], ids=lambda b: b.name
+)
+def test_readme_block_runs_alone_in_a_fresh_interpreter(block, tmp_path):
+    run_in_a_fresh_interpreter(block, tmp_path)
+
+
+@pytest.mark.standard_promotion
+def test_readme_python_blocks_run_in_order(capsys):
+    namespace = run_blocks(BLOCKS)
     assert "loss_scale" in capsys.readouterr().out
     metrics = namespace["lossscale"].metrics(namespace["opt_state"])
     # float16 compute with the default 2**16 start: the weight gradient is
