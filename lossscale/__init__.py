@@ -10,6 +10,13 @@ from lossscale._accumulation import MultiSteps
 from lossscale._diagnose import Diagnosis, diagnose
 from lossscale._finite import all_finite
 from lossscale._inspect import get_loss_scale, metrics, nonfinite_paths
+from lossscale._policy import (
+    Policy,
+    cast_to_full,
+    cast_to_half,
+    get_policy,
+    half_dtype,
+)
 from lossscale._rescale import rescale_gradient
 from lossscale._scales import (
     DynamicLossScale,
@@ -37,10 +44,15 @@ __all__ = (
     "LossScaledState",
     "MultiSteps",
     "NoOpLossScale",
+    "Policy",
     "StaticLossScale",
     "all_finite",
+    "cast_to_full",
+    "cast_to_half",
     "diagnose",
     "get_loss_scale",
+    "get_policy",
+    "half_dtype",
     "loss_scaled",
     "loss_scaled_by_group",
     "metrics",
