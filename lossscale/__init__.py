@@ -9,6 +9,7 @@ from lossscale import _interop as _interop
 from lossscale._accumulation import MultiSteps
 from lossscale._diagnose import Diagnosis, diagnose
 from lossscale._finite import all_finite
+from lossscale._grad import value_and_grad
 from lossscale._inspect import get_loss_scale, metrics, nonfinite_paths
 from lossscale._policy import (
     Policy,
@@ -59,4 +60,5 @@ __all__ = (
     "nonfinite_paths",
     "rescale_gradient",
     "select_tree",
+    "value_and_grad",
 )
