@@ -216,9 +216,11 @@ def loss_scaled(
             once: right for the gradients of a data-parallel step, which
             are the same on every device after their ``pmean``, not for
             gradients sharded across devices (``psum`` the squared norm of
-            the shards yourself there, or keep ``check_vma=True``).
-            Default ``False``: the state and the compiled program are then
-            exactly those without the option.
+            the shards yourself there, or keep ``check_vma=True``). Called
+            eagerly under ``jax_debug_nans``, the norm's arithmetic on
+            non-finite gradients stops there. Default ``False``: the state
+            and the compiled program are then exactly those without the
+            option.
 
     Returns:
         A :class:`optax.GradientTransformationExtraArgs` whose state is a

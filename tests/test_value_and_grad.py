@@ -35,7 +35,7 @@ def loss_aux_fn(params, x):
     return jnp.sum(pred**2) + params["b"], {"pred": pred, "n": jnp.int32(3)}
 
 
-PARAMS = {"w": jnp.array([1.0, 2.0, -3.0]), "b": jnp.array(0.5)}
+PARAMS = {"w": jnp.array([1.0, 2.0, -3.0]), "b": jnp.array(0.5, jnp.float32)}
 X = jnp.array([0.5, 1.5, 2.0])
 
 
@@ -190,8 +190,11 @@ def test_dynamic_scale_step_loop_under_jit():
     )
     ref_tx = optax.sgd(0.125)
 
+    traces = []
+
     @jax.jit
     def step(params, state, x):
+        traces.append(None)
         loss, grads = lossscale.value_and_grad(loss_fn, state)(params, x)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
@@ -210,6 +213,7 @@ def test_dynamic_scale_step_loop_under_jit():
         assert_trees_bitwise_equal(loss, ref_loss)
         assert_trees_bitwise_equal(p, rp)
     assert float(lossscale.get_loss_scale(s).loss_scale) == 2.0**12
+    assert len(traces) == 1  # the scale is read from the state: no retrace
 
 
 # --- where the scale comes from -----------------------------------------
@@ -341,6 +345,8 @@ def test_nnx(has_aux):
     _, grads = lossscale.value_and_grad(nnx_loss, opt, via=nnx.value_and_grad)(
         model, x
     )
+    _, ref_grads = nnx.value_and_grad(nnx_loss)(model, x)
+    assert_trees_close(nnx.state(grads), times(nnx.state(ref_grads), SCALE))
 
 
 # --- linen ------------------------------------------------------------------
