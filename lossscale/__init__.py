@@ -13,7 +13,15 @@ from lossscale._autocast import autocast, float32_scope
 from lossscale._autocast_rules import DEFAULT_RULES as AUTOCAST_RULES
 from lossscale._diagnose import Diagnosis, diagnose
 from lossscale._finite import all_finite
+from lossscale._grad import value_and_grad
 from lossscale._inspect import get_loss_scale, metrics, nonfinite_paths
+from lossscale._policy import (
+    Policy,
+    cast_to_full,
+    cast_to_half,
+    get_policy,
+    half_dtype,
+)
 from lossscale._rescale import rescale_gradient
 from lossscale._scales import (
     DynamicLossScale,
@@ -42,16 +50,22 @@ __all__ = (
     "LossScaledState",
     "MultiSteps",
     "NoOpLossScale",
+    "Policy",
     "StaticLossScale",
     "all_finite",
     "autocast",
+    "cast_to_full",
+    "cast_to_half",
     "diagnose",
     "float32_scope",
     "get_loss_scale",
+    "get_policy",
+    "half_dtype",
     "loss_scaled",
     "loss_scaled_by_group",
     "metrics",
     "nonfinite_paths",
     "rescale_gradient",
     "select_tree",
+    "value_and_grad",
 )

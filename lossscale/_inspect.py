@@ -110,7 +110,9 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
     ``"nonfinite_leaves"`` counts the gradient leaves that held an inf or
     NaN in the last step (int32; :func:`nonfinite_paths` names them); with
     ``on_min_scale="error"``, ``"min_scale_skips"`` counts the consecutive
-    skipped steps that ran at the minimum scale. With
+    skipped steps that ran at the minimum scale; with
+    ``report_grad_norm=True``, ``"grad_norm"`` is the global L2 norm of the
+    last step's unscaled gradients (float32). With
     :func:`loss_scaled_by_group` the per-scale keys carry the group label:
     ``"loss_scale/<label>"``, ``"at_min_scale/<label>"``, ... No value
     leaves the device: call it inside ``jit`` and fetch when you log.
@@ -137,6 +139,8 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
         )
     if state.min_scale_skips is not None:
         out["min_scale_skips"] = jnp.asarray(state.min_scale_skips, jnp.int32)
+    if state.grad_norm is not None:
+        out["grad_norm"] = jnp.asarray(state.grad_norm, jnp.float32)
     scales = state.loss_scale
     grouped = isinstance(scales, dict)
     for label, scale in scales.items() if grouped else [(None, scales)]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import gc
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any, Literal, NamedTuple, cast
@@ -66,6 +67,9 @@ class LossScaledState(NamedTuple):
             consecutive skipped steps on which a group whose gradients were
             not finite was already at its minimum scale (``shape=(),
             dtype=int32``); else ``None``.
+        grad_norm: with ``report_grad_norm=True``, the global L2 norm of
+            the last step's unscaled gradients (``shape=(), dtype=float32``;
+            0 after ``init``); else ``None``.
 
     lossscale 0.1's state had the first seven fields only: restore its
     checkpoints into a dict of those seven fields and complete it with
@@ -81,6 +85,7 @@ class LossScaledState(NamedTuple):
     last_skip_step: jax.Array
     nonfinite: jax.Array | None = None
     min_scale_skips: jax.Array | None = None
+    grad_norm: jax.Array | None = None
 
 
 # How to skip under tracing. Private: tests and benchmarks compare the two
@@ -117,6 +122,7 @@ class _Spec:
     min_scale_patience: int
     report_nonfinite: bool
     skip_impl: _skip.Impl
+    report_grad_norm: bool = False
 
     @property
     def grouped(self) -> bool:
@@ -132,6 +138,7 @@ def loss_scaled(
     on_min_scale: OnMinScale = "ignore",
     min_scale_patience: int = 10,
     report_nonfinite: bool = False,
+    report_grad_norm: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optimizer so that it takes scaled gradients.
 
@@ -196,6 +203,25 @@ def loss_scaled(
             :func:`lossscale.nonfinite_paths` and the ``nonfinite_leaves``
             metric. Default ``False``: the state and the compiled program
             are then exactly those without the option.
+        report_grad_norm: record the global L2 norm of the step's
+            *unscaled* gradients (every leaf that is unscaled: floating and
+            not masked out), in float32, as ``"grad_norm"`` in
+            :func:`lossscale.metrics`: computed on every step, so it is
+            ``inf`` or NaN on a skipped one. Under ``shard_map`` it is the
+            norm of the whole gradient the devices hold together, the same
+            on every device: the squared norms of leaves that vary over a
+            mapped axis (shards, or per-device gradients) are summed over
+            it, while a leaf identical across an axis (replicated, or after
+            a ``pmean``) counts once. Where JAX does not track which values
+            vary (``check_vma=False``, and ``jax.pmap``) every leaf counts
+            once: right for the gradients of a data-parallel step, which
+            are the same on every device after their ``pmean``, not for
+            gradients sharded across devices (``psum`` the squared norm of
+            the shards yourself there, or keep ``check_vma=True``). Called
+            eagerly under ``jax_debug_nans``, the norm's arithmetic on
+            non-finite gradients stops there. Default ``False``: the state
+            and the compiled program are then exactly those without the
+            option.
 
     Returns:
         A :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -242,6 +268,7 @@ def loss_scaled(
         on_min_scale=on_min_scale,
         min_scale_patience=min_scale_patience,
         report_nonfinite=report_nonfinite,
+        report_grad_norm=report_grad_norm,
     )
     return _transformation(spec)
 
@@ -256,6 +283,7 @@ def loss_scaled_by_group(
     on_min_scale: OnMinScale = "ignore",
     min_scale_patience: int = 10,
     report_nonfinite: bool = False,
+    report_grad_norm: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Like :func:`loss_scaled`, with an independent loss scale per group.
 
@@ -284,6 +312,8 @@ def loss_scaled_by_group(
             counts.
         min_scale_patience: as in :func:`loss_scaled`.
         report_nonfinite: as in :func:`loss_scaled`.
+        report_grad_norm: as in :func:`loss_scaled`: the norm of every
+            group's unscaled gradients together.
 
     Returns:
         A :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -341,6 +371,7 @@ def loss_scaled_by_group(
         on_min_scale=on_min_scale,
         min_scale_patience=min_scale_patience,
         report_nonfinite=report_nonfinite,
+        report_grad_norm=report_grad_norm,
     )
     return _transformation(spec)
 
@@ -415,6 +446,7 @@ def _make_spec(
     on_min_scale: Any,
     min_scale_patience: Any,
     report_nonfinite: Any,
+    report_grad_norm: Any = False,
 ) -> _Spec:
     if on_min_scale not in ("ignore", "error"):
         raise ValueError(
@@ -437,6 +469,11 @@ def _make_spec(
             "report_nonfinite must be a bool, got "
             f"report_nonfinite={report_nonfinite!r}."
         )
+    if not isinstance(report_grad_norm, bool | np.bool_):
+        raise TypeError(
+            "report_grad_norm must be a bool, got "
+            f"report_grad_norm={report_grad_norm!r}."
+        )
     return _Spec(
         inner=_check_inner(inner),
         initial=groups,
@@ -450,6 +487,7 @@ def _make_spec(
         ),
         report_nonfinite=bool(report_nonfinite),
         skip_impl=_SKIP_IMPL.get(),
+        report_grad_norm=bool(report_grad_norm),
     )
 
 
@@ -479,6 +517,9 @@ def _transformation(spec: _Spec) -> optax.GradientTransformationExtraArgs:
                 jnp.zeros((), jnp.int32)
                 if spec.on_min_scale == "error"
                 else None
+            ),
+            grad_norm=(
+                jnp.zeros((), jnp.float32) if spec.report_grad_norm else None
             ),
         )
 
@@ -541,6 +582,9 @@ def _update(
     if spec.report_nonfinite:
         _check_report_size(state, plan)
     unscaled = _Unscaled(plan, groups)
+    grad_norm = None
+    if spec.report_grad_norm:
+        grad_norm = _grad_norm(plan, unscaled, state.grad_norm)
     group_finite, nonfinite = _decide(spec, plan, unscaled)
     finite = jnp.all(group_finite)
     if _compat.is_tracer(finite):
@@ -567,6 +611,7 @@ def _update(
         inner_state=inner_state,
         nonfinite=nonfinite,
         min_scale_skips=min_scale_skips,
+        grad_norm=grad_norm,
     )
 
 
@@ -746,6 +791,36 @@ def _decide(
     if checked:
         nonfinite = nonfinite.at[np.asarray(checked)].set(bad)
     return group_finite, nonfinite
+
+
+def _grad_norm(plan: _Plan, unscaled: _Unscaled, previous: Any) -> jax.Array:
+    """The global L2 norm of the unscaled gradients, in float32.
+
+    Squared norms are summed over the mapped axes each leaf varies over,
+    one ``psum`` per distinct set of axes; leaves that JAX sees as equal
+    across an axis count once (see ``report_grad_norm``).
+    """
+    if previous is None:
+        raise ValueError(
+            "report_grad_norm=True needs a state made by this "
+            "transformation's init (its grad_norm is None: a checkpoint "
+            "saved without report_grad_norm=True?)."
+        )
+    by_axes: dict[frozenset[Any], list[jax.Array]] = {}
+    for label in plan.members:
+        for x in unscaled.group(label):
+            x = jnp.asarray(x)
+            if jnp.iscomplexobj(x):
+                x = jnp.abs(x)
+            sq = jnp.sum(jnp.square(x.astype(jnp.float32)))
+            by_axes.setdefault(_compat.vma(x), []).append(sq)
+    total = jnp.zeros((), jnp.float32)
+    for axes, squares in by_axes.items():
+        part = functools.reduce(jnp.add, squares)
+        if axes:
+            part = lax.psum(part, tuple(sorted(axes, key=repr)))
+        total = total + part
+    return jnp.sqrt(total)
 
 
 def _check_report_size(state: LossScaledState, plan: _Plan) -> None:

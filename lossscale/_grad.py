@@ -1,0 +1,236 @@
+"""The scaled gradient and the true loss, in one call.
+
+flax's ``DynamicScale.value_and_grad`` and mpx's ``filter_value_and_grad``
+return the loss and the gradient of a loss scaled inside; with lossscale's
+optax wrapper the gradients must stay *scaled* (``loss_scaled`` unscales,
+checks and skips), and only the loss needs unscaling. Rather than divide
+the scaled loss by the scale (which rounds, and is ``inf`` when the scaled
+loss overflowed), the unscaled loss is carried out of the same forward pass
+as an auxiliary output of the underlying ``value_and_grad``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+from jax import lax
+
+from lossscale import _checks, _compat, _inspect, _interop, _tree
+from lossscale._scales import LossScale
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    loss_scale: Any,
+    *,
+    argnums: int | Sequence[int] | Any | None = None,
+    has_aux: bool = False,
+    axis_name: Hashable | tuple[Hashable, ...] | None = None,
+    via: Callable[..., Callable[..., Any]] = jax.value_and_grad,
+) -> Callable[..., tuple[Any, Any]]:
+    """Like ``jax.value_and_grad``, with the loss scaled for the gradients.
+
+    The returned function evaluates ``fun``, multiplies its loss by the
+    loss scale, and differentiates that, in one forward and one backward
+    pass. It returns:
+
+    - ``(loss, grads)``, or ``((loss, aux), grads)`` with ``has_aux``;
+    - ``loss``: the *unscaled* loss, bit for bit what ``fun`` returned, in
+      its own dtype (taken from the same forward pass, not divided back);
+    - ``aux``: ``fun``'s auxiliary output, never scaled (a model's batch
+      statistics, say, come out as computed);
+    - ``grads``: the gradients of the *scaled* loss: what ``tx.update`` of
+      a :func:`lossscale.loss_scaled` optimizer expects, which unscales
+      them, checks them and skips the step if they are not finite.
+
+    A train step differs from the plain optax one in one line: the
+    optimizer is wrapped once in :func:`lossscale.loss_scaled`, and in the
+    step ``jax.value_and_grad(loss_fn)`` becomes
+    ``lossscale.value_and_grad(loss_fn, opt_state)``.
+
+    Call it *inside* the train step, with that step's ``opt_state``: the
+    scale is read when ``value_and_grad`` is called, and a function made
+    once, outside, would keep using the first step's scale.
+
+    Args:
+        fun: the loss function, returning a floating scalar (or, with
+            ``has_aux``, a pair ``(loss, aux)``).
+        loss_scale: the scale to multiply the loss by: a
+            :class:`LossScale` (e.g. ``lossscale.get_loss_scale(opt_state)``)
+            or an optimizer state holding one :class:`LossScaledState`
+            (an optax state, or ``nnx.Optimizer.opt_state``), from which
+            :func:`lossscale.get_loss_scale` takes it. For
+            :func:`loss_scaled_by_group` pass the scale of the group the
+            loss is in, e.g. ``get_loss_scale(opt_state)["decoder"]``.
+        argnums: which positional arguments to differentiate, passed on to
+            ``via``. ``None`` (the default) passes nothing, so ``via``'s own
+            default applies (the first argument); give it only to a ``via``
+            that takes it (``jax.value_and_grad``, ``nnx.value_and_grad``,
+            which also takes ``nnx.DiffState``; not
+            ``eqx.filter_value_and_grad``, which differentiates the first
+            argument).
+        has_aux: whether ``fun`` returns ``(loss, aux)``.
+        axis_name: ``None``, or the mapped axis name (or tuple of names)
+            over which to *average* the gradients with ``lax.pmean``, as
+            flax's ``DynamicScale.value_and_grad(..., axis_name=...)`` does,
+            under ``jax.pmap`` or ``shard_map``. This is not
+            :func:`loss_scaled`'s ``axis_name``, which all-reduces only the
+            finiteness flag so that the devices agree on a skip: a port of
+            a flax pmap step names the axis in both. Under a ``shard_map``
+            that tracks varying values (``check_vma=True``, the default),
+            JAX's autodiff already sums over an axis the gradient of a
+            parameter replicated over it; averaging such a gradient again
+            is ambiguous (it is a sum, or a mean if the loss was averaged),
+            so it raises: ``pmean`` the loss inside ``fun`` instead, and
+            leave ``axis_name`` out.
+        via: the ``value_and_grad`` to differentiate with:
+            ``jax.value_and_grad`` (the default), ``nnx.value_and_grad``,
+            ``eqx.filter_value_and_grad``, or any function of
+            ``(fun, *, has_aux, [argnums])`` returning
+            ``((value, aux), grads)``. Other options go in a
+            ``functools.partial``, e.g.
+            ``partial(jax.value_and_grad, allow_int=True)``.
+
+    Returns:
+        A function with ``fun``'s signature returning ``(loss, grads)``, or
+        ``((loss, aux), grads)`` with ``has_aux``.
+
+    Raises:
+        TypeError: if ``fun`` or ``via`` is not callable, ``has_aux`` is not
+            a bool, ``axis_name`` is malformed, or ``loss_scale`` is neither
+            a loss scale nor an optimizer state holding one (or holds a
+            dict of them: pass one group's).
+        ValueError: if ``loss_scale`` holds several
+            :class:`LossScaledState` s; and, in the returned function, under
+            a ``shard_map`` with ``check_vma=True``, if a gradient does not
+            vary over an axis of ``axis_name`` (see ``axis_name``).
+
+    Examples:
+        A plain optax step, and the same step with loss scaling:
+
+        >>> import jax, jax.numpy as jnp, optax
+        >>> import lossscale
+        >>> def loss_fn(params, x):
+        ...     return jnp.sum((params["w"] * x) ** 2)
+        >>> params = {"w": jnp.array([1.0, 2.0])}
+        >>> x = jnp.array([1.0, 1.0])
+        >>> tx = optax.sgd(0.1)
+        >>> @jax.jit
+        ... def step(params, opt_state, x):
+        ...     loss, grads = jax.value_and_grad(loss_fn)(params, x)
+        ...     updates, opt_state = tx.update(grads, opt_state, params)
+        ...     return optax.apply_updates(params, updates), opt_state, loss
+        >>> tx = lossscale.loss_scaled(tx, lossscale.DynamicLossScale())
+        >>> @jax.jit
+        ... def scaled_step(params, opt_state, x):
+        ...     loss, grads = lossscale.value_and_grad(loss_fn, opt_state)(
+        ...         params, x)
+        ...     updates, opt_state = tx.update(grads, opt_state, params)
+        ...     return optax.apply_updates(params, updates), opt_state, loss
+        >>> params, opt_state, loss = scaled_step(params, tx.init(params), x)
+        >>> loss  # the true loss, not 2**15 times it
+        Array(5., dtype=float32)
+        >>> params["w"]
+        Array([0.8, 1.6], dtype=float32)
+    """
+    if not callable(fun):
+        raise TypeError(f"fun must be callable, got fun={fun!r}.")
+    if not callable(via):
+        raise TypeError(
+            "via must be a value_and_grad function such as "
+            f"jax.value_and_grad, got via={via!r}."
+        )
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"has_aux must be a bool, got has_aux={has_aux!r}.")
+    axes = _checks.axis_name(axis_name)
+    scale = _resolve(loss_scale)
+    options: dict[str, Any] = {"has_aux": True}
+    if argnums is not None:
+        options["argnums"] = argnums
+
+    def scaled(*args: Any, **kwargs: Any) -> tuple[Any, tuple[Any, Any]]:
+        out = fun(*args, **kwargs)
+        if has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError(
+                    "with has_aux=True, fun must return a pair (loss, aux), "
+                    f"got a {type(out).__name__}."
+                )
+            loss, aux = out
+        else:
+            loss, aux = out, None
+        # The true loss leaves as an auxiliary output: no second pass, and
+        # no division of a scaled loss that may have overflowed.
+        return scale.scale(loss), (loss, aux)
+
+    grad_fn = via(scaled, **options)
+
+    def loss_and_scaled_grads(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
+        if axes is not None:
+            grads = _mean_over(grads, axes)
+        return ((loss, aux) if has_aux else loss), grads
+
+    return loss_and_scaled_grads
+
+
+def _resolve(loss_scale: Any) -> LossScale:
+    """The loss scale itself, or the one an optimizer state holds."""
+    if isinstance(loss_scale, type):
+        raise TypeError(
+            "loss_scale must be a loss-scale instance or an optimizer state, "
+            f"got the class {loss_scale.__name__}."
+        )
+    if isinstance(loss_scale, LossScale):
+        return loss_scale
+    if not _inspect._find_states(loss_scale):
+        raise TypeError(
+            "loss_scale must be a lossscale.LossScale (e.g. "
+            "lossscale.get_loss_scale(opt_state)) or an optimizer state "
+            "holding one (made by lossscale.loss_scaled(...).init), got "
+            f"loss_scale of type {type(loss_scale).__name__}."
+        )
+    scale = _inspect.get_loss_scale(loss_scale)  # ValueError if several
+    if isinstance(scale, dict):
+        raise TypeError(
+            "loss_scale holds one loss scale per group "
+            f"({sorted(map(repr, scale))}, from loss_scaled_by_group): pass "
+            "the scale of the group the loss is in, e.g. "
+            "lossscale.get_loss_scale(opt_state)[label]."
+        )
+    return _interop.unwrap_variables(scale)
+
+
+def _mean_over(grads: Any, axes: Hashable | tuple[Hashable, ...]) -> Any:
+    """``lax.pmean`` of the floating gradient leaves over ``axes``.
+
+    Under a ``shard_map`` that tracks varying values, a gradient invariant
+    over a named axis was already reduced over it by autodiff, and is
+    refused (see :func:`value_and_grad`).
+    """
+    names = axes if isinstance(axes, tuple) else (axes,)
+    checked = _compat.manual_axes() - _compat.unchecked_manual_axes()
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
+    out = []
+    for path, leaf in with_paths:
+        if not _tree.is_float(leaf):
+            out.append(leaf)
+            continue
+        reduced = [
+            a for a in names if a in checked and a not in _compat.vma(leaf)
+        ]
+        if reduced:
+            where = jax.tree_util.keystr(path) or "<root>"
+            raise ValueError(
+                f"axis_name={axes!r}: the gradient at {where} does not vary "
+                f"over {reduced!r}. Under shard_map (check_vma=True) JAX's "
+                "autodiff already reduces over a mapped axis the gradient of "
+                "a parameter replicated over it: summed, or averaged if the "
+                "loss was averaged with lax.pmean. Averaging again is "
+                "ambiguous: leave axis_name out, and lax.pmean the loss "
+                "inside fun for the mean gradient."
+            )
+        out.append(lax.pmean(leaf, names))
+    return treedef.unflatten(out)
