@@ -47,7 +47,7 @@ import numpy as np
 from jax import lax
 
 from lossscale import _autocast_rules as rules_data
-from lossscale import _compat, _interpret
+from lossscale import _compat, _interpret, _policy
 from lossscale._autocast_rules import Rule
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -119,7 +119,10 @@ def autocast(
     Args:
         fun: the function to run, e.g. a loss ``loss_fn(params, batch)``.
         compute_dtype: ``jnp.float16`` (the default) or ``jnp.bfloat16``,
-            or their names.
+            or their names; or a :class:`lossscale.Policy` (or its string,
+            ``"p=f32,c=bf16,o=f32"``, jmp's grammar): compute in its
+            ``compute_dtype``, with every floating output cast to its
+            ``output_dtype``.
         output_dtype: ``None`` (each output keeps the dtype ``fun`` gives
             it without autocast), or a float dtype to cast every floating
             output to.
@@ -170,6 +173,17 @@ def autocast(
             f"fun must be callable, got fun={fun!r} of type "
             f"{type(fun).__name__}."
         )
+    if isinstance(compute_dtype, str) and _is_policy_string(compute_dtype):
+        compute_dtype = _policy.get_policy(compute_dtype)
+    if isinstance(compute_dtype, _policy.Policy):
+        if output_dtype is not None:
+            raise TypeError(
+                "output_dtype must be None when compute_dtype is a Policy "
+                "(its output dtype is used), got "
+                f"output_dtype={output_dtype!r}."
+            )
+        output_dtype = compute_dtype.output_dtype
+        compute_dtype = compute_dtype.compute_dtype
     ctx = _Ctx(compute=check_compute_dtype(compute_dtype), rules=_rules(rules))
     out_dtype = None if output_dtype is None else _float_dtype(output_dtype)
 
@@ -178,6 +192,14 @@ def autocast(
         return _call(ctx, out_dtype, fun, args, kwargs)
 
     return wrapped  # type: ignore[return-value]
+
+
+def _is_policy_string(spec: str) -> bool:
+    """A jmp policy string (``"p=f32,c=f16"``, ``"mixed_float16"``), not a
+    dtype's name; jmp's ``"half"`` counts as a policy too, so that it means
+    what it means in jmp (bfloat16 on TPU, float16 elsewhere)."""
+    spec = spec.strip()
+    return "=" in spec or spec.startswith("mixed_") or spec == "half"
 
 
 def check_compute_dtype(dtype: Any, name: str = "compute_dtype") -> np.dtype:

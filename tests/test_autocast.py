@@ -123,6 +123,30 @@ def test_composes_with_loss_scaling(mlp):
     )
 
 
+def test_composes_with_value_and_grad(mlp):
+    params, x = mlp
+    tx = lossscale.loss_scaled(
+        optax.sgd(1.0), lossscale.StaticLossScale(2.0**8)
+    )
+    state = tx.init(params)
+    loss = lossscale.autocast(mlp_loss)
+
+    def step(params, state, x):
+        return lossscale.value_and_grad(loss, state)(params, x)
+
+    value, grads = jax.jit(step)(params, state, x)
+    seen = dots(lambda p: step(p, state, x), params)
+    assert value.dtype == F32
+    assert float(value) == float(loss(params, x))  # unscaled, same pass
+    np.testing.assert_allclose(
+        grads["w1"] / 2.0**8,
+        jax.grad(loss)(params, x)["w1"],
+        rtol=1e-2,
+        atol=1e-6,
+    )
+    assert set(seen) == {(F16, F16)}
+
+
 # --- what runs in float32 -----------------------------------------------
 
 
@@ -651,6 +675,28 @@ def test_an_unknown_primitive_runs_at_its_traced_dtypes():
 def test_a_compute_dtype_that_is_not_16_bit_float_is_refused(dtype):
     with pytest.raises(TypeError, match="compute_dtype"):
         lossscale.autocast(mlp_loss, dtype)
+
+
+def test_a_policy_or_its_string_sets_compute_and_output_dtypes():
+    def f(x, w):
+        return x @ w, jnp.sum(x)
+
+    x, w = jnp.ones((2, 2)), jnp.ones((2, 2))
+    for policy in (
+        "p=f32,c=bf16,o=f16",
+        lossscale.get_policy("params=float32, compute=bfloat16, output=f16"),
+    ):
+        auto = lossscale.autocast(f, policy)
+        assert dots(auto, x, w) == [(BF16, BF16)]
+        assert {o.dtype for o in auto(x, w)} == {F16}
+    # Keras's name: float16 compute, outputs in float16 as Keras layers'.
+    assert dots(lossscale.autocast(f, "mixed_float16"), x, w) == [(F16, F16)]
+    with pytest.raises(TypeError, match="compute_dtype"):
+        lossscale.autocast(f, "p=f32,c=f32")
+    with pytest.raises(TypeError, match="output_dtype"):
+        lossscale.autocast(f, "c=f16", output_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="cmpute"):
+        lossscale.autocast(f, "cmpute=f16")
 
 
 def test_names_of_16_bit_floats_are_accepted():

@@ -67,7 +67,7 @@ def dot_operand_dtypes(jaxpr):
 
 @pytest.mark.standard_promotion
 def test_every_matmul_of_the_gpt_step_is_float16():
-    step, args, loss_fn = train_step(None, jnp.float16)
+    _, args, loss_fn = train_step(None, jnp.float16)
     params, _, batch = args
     jaxpr = jax.make_jaxpr(jax.grad(loss_fn))(params, batch)
     seen = dot_operand_dtypes(jaxpr.jaxpr)
@@ -77,7 +77,7 @@ def test_every_matmul_of_the_gpt_step_is_float16():
     assert len(seen) >= 15
     assert set(seen) == {(f16, f16)}
     # Negative control: the float32 model without autocast.
-    step32, _, loss32 = train_step(None, None)
+    _, _, loss32 = train_step(None, None)
     plain = dot_operand_dtypes(
         jax.make_jaxpr(jax.grad(loss32))(params, batch).jaxpr
     )
