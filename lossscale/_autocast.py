@@ -47,7 +47,7 @@ import numpy as np
 from jax import lax
 
 from lossscale import _autocast_rules as rules_data
-from lossscale import _compat, _interpret, _policy
+from lossscale import _compat, _interop, _interpret, _policy
 from lossscale._autocast_rules import Rule
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -106,7 +106,8 @@ def autocast(
 
     The traced program's own jaxprs are evaluated with the same rules:
     ``jax.jit``-ed functions, ``lax.scan``, ``lax.while_loop``,
-    ``lax.cond``, ``jax.checkpoint`` (its policy kept) and the functions
+    ``lax.cond``, ``jax.checkpoint`` (its policy kept), ``shard_map`` (its
+    specs kept) and the functions
     of ``jax.custom_jvp`` and ``jax.custom_vjp`` (whose derivative rules
     are kept: a ``custom_jvp`` rule is evaluated with the same rules; a
     ``custom_vjp`` function runs whole at the dtypes it was traced with).
@@ -296,16 +297,34 @@ def _call(
 ) -> Any:
     leaves, treedef = jax.tree.flatten((args, kwargs))
     dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+    # State that fun updates in place (flax NNX's Variables: BatchNorm's
+    # statistics, an RNG's counter) is updated in the copies fun is traced
+    # with: it comes out of the trace as extra outputs and is written back.
+    holders = jax.tree.leaves((args, kwargs), is_leaf=_interop.is_variable)
+    mutable = [
+        j
+        for j, i in enumerate(dynamic)
+        if len(holders) == len(leaves) and _interop.is_variable(holders[i])
+    ]
+    record: dict[str, Any] = {}
 
     def flat(*arrays: Any) -> Any:
         full = list(leaves)
         for i, array in zip(dynamic, arrays, strict=True):
             full[i] = array
         a, k = jax.tree.unflatten(treedef, full)
-        return fun(*a, **k)
+        out = fun(*a, **k)
+        after = jax.tree.leaves((a, k))
+        changed = [
+            j
+            for j in mutable
+            if len(after) == len(leaves) and after[dynamic[j]] is not arrays[j]
+        ]
+        record["changed"] = changed
+        return out, [after[dynamic[j]] for j in changed]
 
     arrays = [leaves[i] for i in dynamic]
-    closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*arrays)
+    closed, (out_shape, _) = jax.make_jaxpr(flat, return_shape=True)(*arrays)
     inputs = [_Val(x, _input_class(ctx, x)) for x in arrays]
     consts = [_Val(c, _input_class(ctx, c)) for c in closed.consts]
     # Outputs read in float32 (their traced dtype, or output_dtype) let
@@ -318,12 +337,17 @@ def _call(
         inputs,
         out_widened=[wide_out] * len(closed.jaxpr.outvars),
     )
+    n_out = len(jax.tree.leaves(out_shape))
     results = []
-    for val, aval in zip(outs, closed.jaxpr.outvars, strict=True):
+    for val, aval in zip(outs[:n_out], closed.jaxpr.outvars, strict=False):
         dtype = _aval(aval).dtype
         if out_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
             dtype = out_dtype
         results.append(_cast(val.x, dtype))
+    for j, val in zip(record["changed"], outs[n_out:], strict=True):
+        _interop.set_variable(
+            holders[dynamic[j]], _cast(val.x, _dtype(arrays[j]))
+        )
     return jax.tree.unflatten(jax.tree.structure(out_shape), results)
 
 
@@ -1025,6 +1049,37 @@ def _custom_jvp(
     return [_Val(x, k) for x, k in zip(outs, out_classes, strict=True)]
 
 
+def _shard_map(
+    ctx: _Ctx, eqn: Any, invals: list[_Val], widened: bool
+) -> list[_Val]:
+    """``shard_map``: its body evaluated per shard, with the same specs."""
+    p = eqn.params
+    jaxpr = p["jaxpr"]
+    record: dict[str, Any] = {}
+
+    def body(*xs: Any) -> Any:
+        outs = _evaluate(
+            ctx,
+            jaxpr,
+            [],
+            [_Val(x, v.cls) for x, v in zip(xs, invals, strict=True)],
+            out_widened=[widened] * len(jaxpr.outvars),
+        )
+        record["out"] = [v.cls for v in outs]
+        return [v.x for v in outs]
+
+    mapped = jax.shard_map(
+        body,
+        mesh=p["mesh"],
+        in_specs=tuple(p["in_specs"]),
+        out_specs=list(p["out_specs"]),
+        axis_names=_compat.shard_map_axes(p),
+        check_vma=p["check_vma"],
+    )
+    outs = mapped(*[v.x for v in invals])
+    return [_Val(x, k) for x, k in zip(outs, record["out"], strict=True)]
+
+
 _RECURSIONS: dict[str, Callable[..., list[_Val]]] = {
     **{name: _call_primitive for name in _INLINED},
     "scan": _scan,
@@ -1033,4 +1088,5 @@ _RECURSIONS: dict[str, Callable[..., list[_Val]]] = {
     "remat2": _checkpoint,
     "checkpoint": _checkpoint,
     "custom_jvp_call": _custom_jvp,
+    "shard_map": _shard_map,
 }

@@ -332,6 +332,14 @@ def symbolic_zero_like(x: Any) -> Any:
     return SymbolicZero(jax.typeof(x).to_tangent_aval())
 
 
+def shard_map_axes(params: dict[str, Any]) -> frozenset[Any]:
+    """The mesh axes a ``shard_map`` equation makes manual."""
+    for key in ("newly_manual_axes", "manual_axes"):  # jax >= 0.9; before
+        if key in params:
+            return frozenset(params[key])
+    return frozenset(params["mesh"].axis_names)  # pragma: no cover
+
+
 # --- shims for the tests, examples and benchmarks --------------------------
 
 

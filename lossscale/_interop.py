@@ -28,6 +28,20 @@ def _is_variable(x: Any) -> bool:
     return type(x).__module__.startswith("flax.") and hasattr(x, "value")
 
 
+def is_variable(x: Any) -> bool:
+    """Whether ``x`` is a flax ``nnx.Variable`` (a mutable array holder)."""
+    return _is_variable(x)
+
+
+def set_variable(x: Any, value: Any) -> None:
+    """Sets the array a flax ``nnx.Variable`` holds."""
+    set_value = getattr(x, "set_value", None)
+    if callable(set_value):
+        set_value(value)
+    else:  # flax 0.11
+        x.value = value
+
+
 def _value(x: Any) -> Any:
     get_value = getattr(x, "get_value", None)
     return get_value() if callable(get_value) else x.value
