@@ -232,6 +232,23 @@ def _check_concrete(
     return jnp.asarray(group_finite), jnp.asarray(bad) if per_leaf else None
 
 
+def _all_reduce(ok: jax.Array, axis_name: AxisName) -> jax.Array:
+    """``ok`` agreed over ``axis_name``: true where true on every device."""
+    try:
+        bad = lax.psum(jnp.logical_not(ok).astype(jnp.int32), axis_name)
+    except NameError as err:
+        # JAX's "unbound axis name": no shard_map, pmap or vmap maps it here
+        # (plain jit, eager code, or an axis_name kept from a pmap).
+        raise ValueError(
+            f"axis_name={axis_name!r} names an axis that is not mapped here "
+            f"({err}): axis_name is for code inside jax.shard_map, jax.pmap "
+            "or jax.vmap(..., axis_name=...). Under plain jax.jit (any "
+            "sharding) or eagerly, pass axis_name=None: the check is "
+            "global there."
+        ) from None
+    return bad == 0
+
+
 def _check(
     groups: Sequence[Sequence[jax.Array]],
     *,
@@ -257,8 +274,7 @@ def _check(
     )
     refuse_disagreement(ok, axis_name)
     if axis_name is not None:
-        bad = lax.psum(jnp.logical_not(ok).astype(jnp.int32), axis_name)
-        ok = bad == 0
+        ok = _all_reduce(ok, axis_name)
     if not per_leaf:
         return ok, None
     group_finite, start = [], 0
@@ -296,8 +312,10 @@ def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:
 
     Raises:
         TypeError: if ``axis_name`` is malformed.
-        ValueError: under ``shard_map``, if the result would differ between
-            devices along a mapped axis that ``axis_name`` does not name.
+        ValueError: if ``axis_name`` names an axis that is not mapped where
+            it is called (under plain ``jit`` or eagerly); under
+            ``shard_map``, if the result would differ between devices along
+            a mapped axis that ``axis_name`` does not name.
 
     Examples:
         >>> import jax.numpy as jnp

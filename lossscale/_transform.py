@@ -28,7 +28,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from lossscale import _checks, _compat, _finite, _skip, _tree
+from lossscale import _checks, _compat, _finite, _scales, _skip, _tree
 from lossscale._scales import LossScale
 
 OnMinScale = Literal["ignore", "error"]
@@ -458,12 +458,18 @@ def _make_spec(
 def _transformation(spec: _Spec) -> optax.GradientTransformationExtraArgs:
     def init_fn(params: optax.Params) -> LossScaledState:
         leaves = None
+        like = gradients_like(params)
         if spec.mask is not None:
-            _tree.resolve_mask(spec.mask, params)
+            _at_init("mask", spec.mask, like, _tree.resolve_mask)
         if spec.grouped:
-            _labels(spec, spec.initial, params)
+            _at_init(
+                "param_labels",
+                spec.param_labels,
+                like,
+                lambda _, tree: _labels(spec, spec.initial, tree),
+            )
         if spec.report_nonfinite:
-            n = len(_tree.leaves_and_nones(params))
+            n = len(_tree.leaves_and_nones(like))
             leaves = jnp.zeros((n,), jnp.bool_)
         return LossScaledState(
             loss_scale=_public(spec, spec.initial),
@@ -570,10 +576,12 @@ def _update(
 
 
 def _groups(spec: _Spec, loss_scale: Any) -> Groups:
-    """The state's loss scale(s) as a dict of groups."""
+    """The state's loss scale(s) as a dict of groups, each clamped into its
+    configuration's range: a restored or hand-made state is never trusted,
+    so the floor the check relies on holds for the scale actually used."""
     if spec.grouped:
-        return dict(loss_scale)
-    return {_SINGLE: loss_scale}
+        return {k: _scales.in_range(v) for k, v in dict(loss_scale).items()}
+    return {_SINGLE: _scales.in_range(loss_scale)}
 
 
 def _public(spec: _Spec, groups: Groups) -> Any:
@@ -747,15 +755,50 @@ def _decide(
     return group_finite, nonfinite
 
 
+def _at_init(
+    name: str, given: Any, like: Any, resolve: Callable[[Any, Any], Any]
+) -> None:
+    """Checks ``mask`` or ``param_labels`` against the params in ``init``,
+    with an error that says it is the params (not the gradients) that do
+    not fit."""
+    try:
+        resolve(given, like)
+    except ValueError as err:
+        if not str(err).startswith(f"{name} must have the structure"):
+            raise
+        tree = given(like) if callable(given) else given
+        raise ValueError(
+            f"{name} must have the structure of the gradients (or a prefix "
+            "of it), which init reads from the params it is given (from "
+            "their fast params for optax.lookahead's LookaheadParams): got "
+            f"{name} structure {jax.tree.structure(tree)} for params with "
+            f"structure {jax.tree.structure(like)}."
+        ) from None
+
+
+def gradients_like(params: Any) -> Any:
+    """The tree whose structure ``init`` takes for the gradients'.
+
+    The params, except where a wrapper's params are not shaped like its
+    gradients: optax.lookahead's ``LookaheadParams`` hold the fast and the
+    slow params, and the gradients are those of the fast ones.
+    """
+    if isinstance(params, optax.LookaheadParams):
+        return params.fast
+    return params
+
+
 def _check_report_size(state: LossScaledState, plan: _Plan) -> None:
     size = None if state.nonfinite is None else jnp.shape(state.nonfinite)
     if size != (plan.report_size,):
         raise ValueError(
             "report_nonfinite=True records one flag per leaf (or None) of "
             f"the gradients: they have {plan.report_size}, but the state has "
-            f"room for {size}. The state must come from this "
-            "transformation's init, given params of the gradients' structure "
-            "(or a checkpoint of one built with report_nonfinite=True)."
+            f"room for {size}. init sizes it from the params it is given "
+            "(their fast params for optax.lookahead's LookaheadParams), so "
+            "they must have the gradients' structure; or the state comes "
+            "from a checkpoint of another transformation (built without "
+            "report_nonfinite=True, or for other params)."
         )
 
 
