@@ -9,7 +9,13 @@ from lossscale import _interop as _interop
 from lossscale._accumulation import MultiSteps
 from lossscale._diagnose import Diagnosis, diagnose
 from lossscale._finite import all_finite
-from lossscale._inspect import get_loss_scale, metrics, nonfinite_paths
+from lossscale._inspect import (
+    compare_config,
+    get_loss_scale,
+    loss_scale_config,
+    metrics,
+    nonfinite_paths,
+)
 from lossscale._rescale import rescale_gradient
 from lossscale._scales import (
     DynamicLossScale,
@@ -39,8 +45,10 @@ __all__ = (
     "NoOpLossScale",
     "StaticLossScale",
     "all_finite",
+    "compare_config",
     "diagnose",
     "get_loss_scale",
+    "loss_scale_config",
     "loss_scaled",
     "loss_scaled_by_group",
     "metrics",
