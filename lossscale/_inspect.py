@@ -119,7 +119,7 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
     method adds its own keys. With ``report_nonfinite=True``,
     ``"nonfinite_leaves"`` counts the gradient leaves that held an inf or
     NaN in the last step (int32; :func:`nonfinite_paths` names them); with
-    ``on_min_scale="error"``, ``"min_scale_skips"`` counts the consecutive
+    ``on_min_scale="error"`` or ``"count"``, ``"min_scale_skips"`` counts the consecutive
     skipped steps that ran at the minimum scale. With
     :func:`loss_scaled_by_group` the per-scale keys carry the group label:
     ``"loss_scale/<label>"``, ``"at_min_scale/<label>"``, ... No value

@@ -31,7 +31,7 @@ from jax import lax
 from lossscale import _checks, _compat, _finite, _scales, _skip, _tree
 from lossscale._scales import LossScale
 
-OnMinScale = Literal["ignore", "error"]
+OnMinScale = Literal["ignore", "error", "count"]
 Groups = dict[Hashable, LossScale]
 
 _SINGLE = "loss_scale"  # the one group of loss_scaled
@@ -62,7 +62,8 @@ class LossScaledState(NamedTuple):
             step's gradients held an inf or NaN, in tree order
             (``shape=(number of leaves,), dtype=bool``; read it with
             :func:`lossscale.nonfinite_paths`); else ``None``.
-        min_scale_skips: with ``on_min_scale="error"``, the number of
+        min_scale_skips: with ``on_min_scale="error"`` or ``"count"``, the
+            number of
             consecutive skipped steps on which a group whose gradients were
             not finite was already at its minimum scale (``shape=(),
             dtype=int32``); else ``None``.
@@ -187,9 +188,16 @@ def loss_scaled(
             its minimum; a policy of your own must report ``at_min_scale``
             in its ``metrics()``. Under ``jit`` the error comes from the
             host through ``jax.debug.callback`` (called only when it
-            fires), and JAX may wrap it in its own runtime error.
+            fires), and JAX may wrap it in its own runtime error; that host
+            callback cannot be serialized, so ``jax.export`` of a step built
+            with ``"error"`` fails (``NotImplementedError: serialization of
+            host_callbacks``). ``"count"`` is the export-friendly form:
+            the state counts ``min_scale_skips`` exactly as with
+            ``"error"``, nothing is raised, and the host stops the run when
+            ``metrics(opt_state)["min_scale_skips"] >= patience``.
         min_scale_patience: the number of such consecutive skipped steps
-            before ``on_min_scale="error"`` raises; a positive int.
+            before ``on_min_scale="error"`` raises (unused by ``"count"``);
+            a positive int.
         report_nonfinite: record in the state which gradient leaves held an
             inf or NaN in the last step (agreed over ``axis_name``), for
             :func:`lossscale.nonfinite_paths` and the ``nonfinite_leaves``
@@ -204,8 +212,9 @@ def loss_scaled(
         TypeError: if ``inner`` is not a gradient transformation,
             ``loss_scale`` does not implement the protocol, or ``axis_name``
             or ``mask`` is malformed.
-        ValueError: if ``on_min_scale`` is not ``"ignore"`` or ``"error"``,
-            ``on_min_scale="error"`` is given a policy that does not report
+        ValueError: if ``on_min_scale`` is not ``"ignore"``, ``"error"`` or
+            ``"count"``, either of the last two is given a policy that does
+            not report
             ``at_min_scale``, or ``min_scale_patience`` is not in
             ``[1, 2**31 - 1]`` (a ``TypeError`` if it is not an int); and
             in ``update``, at trace time: if float16 (or float8) gradients
@@ -415,17 +424,18 @@ def _make_spec(
     min_scale_patience: Any,
     report_nonfinite: Any,
 ) -> _Spec:
-    if on_min_scale not in ("ignore", "error"):
+    if on_min_scale not in ("ignore", "error", "count"):
         raise ValueError(
-            'on_min_scale must be "ignore" or "error", got '
+            'on_min_scale must be "ignore", "error" or "count", got '
             f"on_min_scale={on_min_scale!r}."
         )
-    if on_min_scale == "error":
+    if on_min_scale != "ignore":
         for label, scale in groups.items():
             if "at_min_scale" not in _metrics_of(scale):
                 where = "loss_scale" if label == _SINGLE else label
                 raise ValueError(
-                    'on_min_scale="error" needs to know when the scale is at '
+                    f"on_min_scale={on_min_scale!r} needs to know when the "
+                    "scale is at "
                     f"its minimum, but {where}={scale!r} has no "
                     "'at_min_scale' in its metrics(). Add it to your "
                     'policy\'s metrics(), or use on_min_scale="ignore" and '
@@ -482,7 +492,7 @@ def _transformation(spec: _Spec) -> optax.GradientTransformationExtraArgs:
             nonfinite=leaves,
             min_scale_skips=(
                 jnp.zeros((), jnp.int32)
-                if spec.on_min_scale == "error"
+                if spec.on_min_scale != "ignore"
                 else None
             ),
         )
@@ -563,9 +573,12 @@ def _update(
     new_groups = _adjust(groups, group_finite)
     counters = _next_counters(state, finite)
     min_scale_skips = None
-    if spec.on_min_scale == "error":
+    if spec.on_min_scale != "ignore":
         min_scale_skips = _min_scale_alarm(
-            groups, group_finite, state.min_scale_skips, spec.min_scale_patience
+            groups,
+            group_finite,
+            state.min_scale_skips,
+            spec.min_scale_patience if spec.on_min_scale == "error" else None,
         )
     return updates, counters._replace(
         loss_scale=_public(spec, new_groups),
@@ -859,9 +872,10 @@ def _min_scale_alarm(
     groups: Groups,
     group_finite: jax.Array,
     min_scale_skips: jax.Array | None,
-    patience: int,
+    patience: int | None,
 ) -> jax.Array:
-    """Counts skips at the minimum; raises once there were ``patience``.
+    """Counts skips at the minimum; raises once there were ``patience``
+    (never if ``patience`` is ``None``: ``on_min_scale="count"``).
 
     A skipped step counts when a group whose gradients were not finite was
     already at its minimum scale when the step ran: lowering that scale no
@@ -869,9 +883,9 @@ def _min_scale_alarm(
     """
     if min_scale_skips is None:
         raise ValueError(
-            'on_min_scale="error" needs a state made by this transformation\'s '
-            "init (its min_scale_skips is None: a checkpoint saved without "
-            'on_min_scale="error"?).'
+            'on_min_scale="error" (or "count") needs a state made by this '
+            "transformation's init (its min_scale_skips is None: a "
+            'checkpoint saved with on_min_scale="ignore"?).'
         )
     at_min = jnp.stack(
         [jnp.asarray(_metrics_of(s)["at_min_scale"]) for s in groups.values()]
@@ -879,6 +893,8 @@ def _min_scale_alarm(
     hit = jnp.any(jnp.logical_not(group_finite) & at_min)
     count = jnp.where(hit, optax.safe_increment(min_scale_skips), 0)
     count = count.astype(jnp.int32)
+    if patience is None:
+        return count
     stuck = count >= patience
     scales = jnp.stack([jnp.asarray(s.loss_scale) for s in groups.values()])
     if not _compat.is_tracer(stuck):
