@@ -150,6 +150,7 @@ def positive_int(name: str, value: Any) -> int:
             f"{name} must be a positive integer, got {name}={value!r} "
             f"of type {type(value).__name__}."
         )
+    value = cast(Any, value)  # an integer or an integer array (see above)
     if not is_concrete(value):
         raise TypeError(
             f"{name} is static configuration and must be a concrete integer, "
@@ -182,6 +183,7 @@ def counter(name: str, value: Any, high: int) -> Any:
             f"{name} must be an integer, got {name}={value!r} of type "
             f"{type(value).__name__}."
         )
+    value = cast(Any, value)  # an integer or an integer array (see above)
     if np.ndim(value) != 0:
         raise ValueError(
             f"{name} must be a scalar, got {name} with shape {np.shape(value)}."

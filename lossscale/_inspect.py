@@ -119,8 +119,8 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
     method adds its own keys. With ``report_nonfinite=True``,
     ``"nonfinite_leaves"`` counts the gradient leaves that held an inf or
     NaN in the last step (int32; :func:`nonfinite_paths` names them); with
-    ``on_min_scale="error"`` or ``"count"``, ``"min_scale_skips"`` counts the consecutive
-    skipped steps that ran at the minimum scale. With
+    ``on_min_scale="error"`` or ``"count"``, ``"min_scale_skips"`` counts
+    the consecutive skipped steps that ran at the minimum scale. With
     :func:`loss_scaled_by_group` the per-scale keys carry the group label:
     ``"loss_scale/<label>"``, ``"at_min_scale/<label>"``, ... No value
     leaves the device: call it inside ``jit`` and fetch when you log.
@@ -258,7 +258,9 @@ def _mask_leaves(mask: _tree.MaskOrFn, tree: Any) -> list[bool]:
 
     try:
         full = jax.tree.map(
-            lambda m, sub: jax.tree.map(lambda _: bool(m), sub, is_leaf=is_none),
+            lambda m, sub: jax.tree.map(
+                lambda _: bool(m), sub, is_leaf=is_none
+            ),
             mask_tree,
             tree,
             is_leaf=is_none,
@@ -480,9 +482,8 @@ def compare_config(
     )
     for where, saved, now in pairs:
         if saved is None or now is None:
-            out.append(
-                f"{where}: {'absent from the saved configuration' if saved is None else 'absent from the target'}."
-            )
+            side = "the saved configuration" if saved is None else "the target"
+            out.append(f"{where}: absent from {side}.")
             continue
         for key in sorted({*saved, *now}, key=lambda k: (k != "type", k)):
             if saved.get(key) != now.get(key):

@@ -401,8 +401,10 @@ class StaticLossScale:
         scale = _scale_in_range(
             self.loss_scale, _checks.MIN_SCALE, _checks.MAX_SCALE, 1.0
         )
-        return self if scale is self.loss_scale else _replace(
-            self, loss_scale=scale
+        return (
+            self
+            if scale is self.loss_scale
+            else _replace(self, loss_scale=scale)
         )
 
     def scale(self, tree: T) -> T:

@@ -92,9 +92,7 @@ def products() -> list[tuple[float, float]]:
     factors = [f for pair in FACTORS for f in pair]
     factors += [float(x) for x in rng.uniform(0.01, 0.99, 20)]
     factors += [float(x) for x in rng.uniform(1.01, 8.0, 20)]
-    out = [
-        (float(s), factors[i % len(factors)]) for i, s in enumerate(scales)
-    ]
+    out = [(float(s), factors[i % len(factors)]) for i, s in enumerate(scales)]
     return out + _double_rounding_cases(rng, 200)
 
 

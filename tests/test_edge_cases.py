@@ -185,21 +185,24 @@ def test_count_never_raises_and_counts_like_error():
 def test_nonfinite_paths_in_multi_transform_with_the_params():
     params = {"enc": {"w": jnp.ones(2)}, "dec": {"w": jnp.ones(3)}}
     labels = {"enc": {"w": "enc"}, "dec": {"w": "dec"}}
-    wrap = lambda s: lossscale.loss_scaled(  # noqa: E731
+    wrap = lambda s: lossscale.loss_scaled(
         optax.sgd(1.0), lossscale.StaticLossScale(s), report_nonfinite=True
     )
     tx = optax.multi_transform({"enc": wrap(4.0), "dec": wrap(8.0)}, labels)
     state = tx.init(params)
-    grads = {"enc": {"w": jnp.ones(2)}, "dec": {"w": jnp.array([1.0, jnp.inf, 1.0])}}
+    grads = {
+        "enc": {"w": jnp.ones(2)},
+        "dec": {"w": jnp.array([1.0, jnp.inf, 1.0])},
+    }
     _, state = tx.update(grads, state, params)
     for group, want in (("enc", []), ("dec", ["['dec']['w']"])):
         sub = state.inner_states[group]
         mask = jax.tree.map(lambda label, g=group: label == g, labels)
         assert lossscale.nonfinite_paths(sub, params, mask=mask) == want
-        as_callable = lambda p, m=mask: m  # noqa: E731
+        as_callable = lambda p, m=mask: m
         assert lossscale.nonfinite_paths(sub, params, mask=as_callable) == want
     # Without the mask the error says what to pass.
-    with pytest.raises(ValueError, match="mask=jax.tree.map"):
+    with pytest.raises(ValueError, match=r"mask=jax\.tree\.map"):
         lossscale.nonfinite_paths(state.inner_states["dec"], params)
     with pytest.raises(ValueError, match="mask must have the structure"):
         lossscale.nonfinite_paths(

@@ -95,7 +95,7 @@ def products_by_lossscale():
     pairs = ref.products()
     out = [None] * len(pairs)
     by_factor = {}
-    for i, (s, f) in enumerate(pairs):
+    for i, (_, f) in enumerate(pairs):
         by_factor.setdefault(f, []).append(i)
     for f, idx in by_factor.items():
         ls = dynamic(1.0, f, 0.5, 1) if f > 1 else dynamic(1.0, 2.0, f, 1)

@@ -107,18 +107,23 @@ def check_step(tx, state, params, dtype, values):
 def run_pair(saved, target, option):
     tx, params = build(target, option)
     blob = saved_blob(saved, option)
-    kind = lambda n: type(CONFIGS[n]()).__name__  # noqa: E731
+    kind = lambda n: type(CONFIGS[n]()).__name__
     if kind(saved) != kind(target):
         with pytest.raises(ValueError, match="does not fit"):
             flax.serialization.from_bytes(tx.init(params), blob)
         return
     state = flax.serialization.from_bytes(tx.init(params), blob)
     for scale in scales_of(state):  # what update will use, in range
-        assert lossscale.compare_config(
-            tx.init(params)._replace(loss_scale=scale)
-            if option != "param_labels"
-            else tx.init(params)._replace(loss_scale={"x": scale, "y": scale})
-        ) == []
+        assert (
+            lossscale.compare_config(
+                tx.init(params)._replace(loss_scale=scale)
+                if option != "param_labels"
+                else tx.init(params)._replace(
+                    loss_scale={"x": scale, "y": scale}
+                )
+            )
+            == []
+        )
     # float16 where the target allows it (its floor >= 1): the repro's
     # 40000 overflows float16 once divided by a scale below 1. float32
     # otherwise, with a value that overflows divided by 2**-4.
@@ -180,9 +185,7 @@ def test_hysteresis_tracker_from_a_larger_hysteresis():
         optax.sgd(1.0), lossscale.DynamicLossScale(64.0, hysteresis=3)
     )
     blob = flax.serialization.to_bytes(saved.init(params))
-    tx = lossscale.loss_scaled(
-        optax.sgd(1.0), lossscale.DynamicLossScale(64.0)
-    )
+    tx = lossscale.loss_scaled(optax.sgd(1.0), lossscale.DynamicLossScale(64.0))
     state = flax.serialization.from_bytes(tx.init(params), blob)
     assert int(state.loss_scale.hysteresis_tracker) == 3  # restored as is
     step = jax.jit(tx.update)
