@@ -156,6 +156,12 @@ def in_range(scale: Any) -> Any:
     return reconcile() if callable(reconcile) else scale
 
 
+def clamps_on_use(scale: Any) -> bool:
+    """Whether ``scale`` is a built-in loss scale, whose leaves every use
+    clamps into its configuration (a policy of your own may not)."""
+    return isinstance(scale, NoOpLossScale | StaticLossScale | DynamicLossScale)
+
+
 # A float32 significand (24 bits) and a float64 one (53 bits) are multiplied
 # exactly in base-2**12 limbs of uint32: each partial product is below
 # 2**24, so no uint32 operation overflows.

@@ -648,7 +648,14 @@ def _plan(spec: _Spec, groups: Groups, grads: optax.Updates) -> _Plan:
     # The floor of the scale in the state, where the trace shows it (a
     # dynamic scale's bound is static; a static scale's value is traced
     # under jit).
-    floors = {label: _floor(scale) for label, scale in groups.items()}
+    # Only the built-in scales clamp their leaves into their configuration
+    # on use: a policy of your own may hold (restored, or set by hand) a
+    # scale below the floor its attribute claims, so its check reads the
+    # unscaled gradients; its floor still guides the refusal below.
+    floors = {
+        label: _floor(scale) if _scales.clamps_on_use(scale) else None
+        for label, scale in groups.items()
+    }
     with_nones = _tree.leaves_and_nones(grads)
     positions = [j for j, leaf in enumerate(with_nones) if leaf is not None]
     return _Plan(
@@ -730,10 +737,13 @@ def _checked_values(
     A finite gradient divided by a scale >= 1 cannot overflow, so where the
     scale cannot go below 1 the scaled gradients are finite exactly when the
     unscaled ones are: they are checked as they arrive, and XLA need not
-    fuse the unscale into the check. Where the scale may go below 1 (or its
-    floor is unknown: a static scale's value, traced under ``jit``, may be
-    anything a checkpoint or a user put in the state) the unscaled ones are
-    checked, after the scaled ones
+    fuse the unscale into the check. The floor is that of the scale in use:
+    a built-in scale's leaves are clamped into its configuration first (a
+    restored or hand-set scale below ``min_loss_scale`` is used as that
+    minimum). Where the scale may go below 1 (or its floor is unknown: a
+    static scale's value, traced under ``jit``, may be anything a checkpoint
+    or a user put in the state; a policy of your own, whose leaves are not
+    clamped) the unscaled ones are checked, after the scaled ones
     when called eagerly: scaled gradients already non-finite are never
     unscaled (``jax_debug_nans`` would stop at the multiply).
     """
