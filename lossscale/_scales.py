@@ -119,8 +119,9 @@ def _host_in_range(x: Any, low: float, high: float) -> bool:
     """
     if not isinstance(x, np.ndarray | np.generic | float | int):
         return False
-    value = float(np.asarray(x))
-    return bool(low <= value <= high)
+    value = np.asarray(x)  # any shape: vmap-ped ensembles have a batch axis
+    with np.errstate(invalid="ignore"):
+        return bool(np.all((value >= low) & (value <= high)))  # NaN: False
 
 
 def _scale_in_range(
@@ -377,7 +378,9 @@ class StaticLossScale:
             as float32), so that it and its reciprocal are normal float32
             numbers. A power of two makes unscaling exact. A traced value
             (a scale built inside ``jit``) cannot be checked: it is clamped
-            into that range, and NaN becomes 1.
+            into that range, and NaN becomes 1. So is a leaf that never
+            went through this check (restored from a checkpoint, set by
+            hand): every use clamps it.
 
     Raises:
         TypeError: if ``loss_scale`` is not a real number.
@@ -464,7 +467,7 @@ class DynamicLossScale:
     is exact. The configuration reads back exactly as given
     (``backoff_factor=0.8`` stays ``0.8``), and each factor is applied as
     ``torch.amp.GradScaler`` applies it: ``float32(float64(scale) *
-    factor)``, bit for bit, computed without float64 (see :func:`_times`).
+    factor)``, bit for bit, computed without float64.
 
     A state whose leaves disagree with its configuration (restored from a
     checkpoint saved under another configuration: the checkpoint holds the

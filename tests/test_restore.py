@@ -368,3 +368,29 @@ def test_own_policy_below_its_claimed_floor_is_checked_unscaled():
     updates, state = jax.jit(tx.update)(grads, state, params)
     assert not bool(state.grads_finite)  # 40000 * 16 overflows float16
     assert not np.asarray(updates).any()
+
+
+def test_an_ensembles_restored_leaves_are_clamped_element_wise():
+    # flax restores numpy leaves; a vmap-ped ensemble's have a batch axis.
+    tx = lossscale.loss_scaled(
+        optax.sgd(1.0), lossscale.DynamicLossScale(4.0, hysteresis=2)
+    )
+    params = jnp.ones((3, 2))
+    state = jax.vmap(tx.init)(params)
+    leaves = [
+        np.array([4.0, 0.25, np.nan], np.float32),
+        np.array([0, 5000, -1], np.int32),
+        np.array([2, 7, 0], np.int32),
+    ]
+    state = state._replace(
+        loss_scale=jax.tree.unflatten(
+            jax.tree.structure(state.loss_scale), leaves
+        )
+    )
+    used = lossscale.get_loss_scale(state)
+    np.testing.assert_array_equal(used.loss_scale, [4.0, 1.0, 1.0])
+    np.testing.assert_array_equal(used.growth_tracker, [0, 1999, 0])
+    np.testing.assert_array_equal(used.hysteresis_tracker, [2, 2, 0])
+    assert len(lossscale.compare_config(state)) == 3
+    _, new = jax.vmap(tx.update)(params, state, params)
+    assert lossscale.compare_config(new) == []
