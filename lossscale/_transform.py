@@ -63,10 +63,9 @@ class LossScaledState(NamedTuple):
             (``shape=(number of leaves,), dtype=bool``; read it with
             :func:`lossscale.nonfinite_paths`); else ``None``.
         min_scale_skips: with ``on_min_scale="error"`` or ``"count"``, the
-            number of
-            consecutive skipped steps on which a group whose gradients were
-            not finite was already at its minimum scale (``shape=(),
-            dtype=int32``); else ``None``.
+            number of consecutive skipped steps on which a group whose
+            gradients were not finite was already at its minimum scale
+            (``shape=(), dtype=int32``); else ``None``.
 
     lossscale 0.1's state had the first seven fields only: restore its
     checkpoints into a dict of those seven fields and complete it with
@@ -176,7 +175,10 @@ def loss_scaled(
             marked ``False`` are neither unscaled nor checked (e.g. float8
             scale/amax metadata, frozen leaves); they reach ``inner``
             unchanged. A callable is called on the gradients in ``update``
-            and on the parameters in ``init``.
+            and on the parameters in ``init`` (on their fast params for
+            ``optax.lookahead``'s ``LookaheadParams``, whose gradients are
+            those of the fast params; ``report_nonfinite`` is sized the
+            same way).
         on_min_scale: ``"ignore"`` (the default: keep skipping; watch
             ``at_min_scale`` and ``consecutive_skips`` in :func:`metrics`)
             or ``"error"``: raise a ``FloatingPointError`` once
@@ -214,8 +216,7 @@ def loss_scaled(
             or ``mask`` is malformed.
         ValueError: if ``on_min_scale`` is not ``"ignore"``, ``"error"`` or
             ``"count"``, either of the last two is given a policy that does
-            not report
-            ``at_min_scale``, or ``min_scale_patience`` is not in
+            not report ``at_min_scale``, or ``min_scale_patience`` is not in
             ``[1, 2**31 - 1]`` (a ``TypeError`` if it is not an int); and
             in ``update``, at trace time: if float16 (or float8) gradients
             meet a loss scale that may go below 1 (unscaling them could
@@ -435,8 +436,7 @@ def _make_spec(
                 where = "loss_scale" if label == _SINGLE else label
                 raise ValueError(
                     f"on_min_scale={on_min_scale!r} needs to know when the "
-                    "scale is at "
-                    f"its minimum, but {where}={scale!r} has no "
+                    f"scale is at its minimum, but {where}={scale!r} has no "
                     "'at_min_scale' in its metrics(). Add it to your "
                     'policy\'s metrics(), or use on_min_scale="ignore" and '
                     "watch consecutive_skips in lossscale.metrics."
@@ -647,11 +647,10 @@ def _plan(spec: _Spec, groups: Groups, grads: optax.Updates) -> _Plan:
             members[labels[i]].append(i)
     # The floor of the scale in the state, where the trace shows it (a
     # dynamic scale's bound is static; a static scale's value is traced
-    # under jit).
-    # Only the built-in scales clamp their leaves into their configuration
-    # on use: a policy of your own may hold (restored, or set by hand) a
-    # scale below the floor its attribute claims, so its check reads the
-    # unscaled gradients; its floor still guides the refusal below.
+    # under jit). Only the built-in scales clamp their leaves into their
+    # configuration on use: a policy of your own may hold (restored, or set
+    # by hand) a scale below the floor its attribute claims, so its check
+    # reads the unscaled gradients; its floor still guides the refusal.
     floors = {
         label: _floor(scale) if _scales.clamps_on_use(scale) else None
         for label, scale in groups.items()
