@@ -14,7 +14,13 @@ from lossscale._autocast_rules import DEFAULT_RULES as AUTOCAST_RULES
 from lossscale._diagnose import Diagnosis, diagnose
 from lossscale._finite import all_finite
 from lossscale._grad import value_and_grad
-from lossscale._inspect import get_loss_scale, metrics, nonfinite_paths
+from lossscale._inspect import (
+    compare_config,
+    get_loss_scale,
+    loss_scale_config,
+    metrics,
+    nonfinite_paths,
+)
 from lossscale._policy import (
     Policy,
     cast_to_full,
@@ -56,11 +62,13 @@ __all__ = (
     "autocast",
     "cast_to_full",
     "cast_to_half",
+    "compare_config",
     "diagnose",
     "float32_scope",
     "get_loss_scale",
     "get_policy",
     "half_dtype",
+    "loss_scale_config",
     "loss_scaled",
     "loss_scaled_by_group",
     "metrics",

@@ -134,13 +134,31 @@ def scale_bound(name: str, value: Any) -> float:
 
 
 def positive_int(name: str, value: Any) -> int:
-    """A Python int in ``[1, 2**31 - 1]`` (it is compared with int32 state)."""
-    if isinstance(value, bool | np.bool_) or not isinstance(
-        value, numbers.Integral
-    ):
+    """A static int in ``[1, 2**31 - 1]`` (it is compared with int32 state).
+
+    Any concrete integer scalar is accepted: a Python int, a numpy integer or
+    a 0-d integer array of numpy or JAX (as :func:`static_float` accepts any
+    concrete real scalar). Booleans, floats (even integral ones) and traced
+    values are refused.
+    """
+    dtype = getattr(value, "dtype", None)
+    integral = isinstance(value, numbers.Integral) or (
+        dtype is not None and jnp.issubdtype(dtype, jnp.integer)
+    )
+    if isinstance(value, bool | np.bool_) or not integral:
         raise TypeError(
             f"{name} must be a positive integer, got {name}={value!r} "
             f"of type {type(value).__name__}."
+        )
+    value = cast(Any, value)  # an integer or an integer array (see above)
+    if not is_concrete(value):
+        raise TypeError(
+            f"{name} is static configuration and must be a concrete integer, "
+            f"got a traced value {name}={value!r}."
+        )
+    if np.ndim(value) != 0:
+        raise ValueError(
+            f"{name} must be a scalar, got {name} with shape {np.shape(value)}."
         )
     if not 1 <= int(value) <= np.iinfo(np.int32).max:
         raise ValueError(
@@ -148,6 +166,36 @@ def positive_int(name: str, value: Any) -> int:
             f"{name}={value!r}."
         )
     return int(value)
+
+
+def counter(name: str, value: Any, high: int) -> Any:
+    """An int32 state counter in ``[0, high]``, as a 0-d ``np.int32``.
+
+    Concrete values are checked; tracers come back as int32 tracers, their
+    value unchecked, for the caller to clamp.
+    """
+    dtype = getattr(value, "dtype", None)
+    integral = isinstance(value, numbers.Integral) or (
+        dtype is not None and jnp.issubdtype(dtype, jnp.integer)
+    )
+    if isinstance(value, bool | np.bool_) or not integral:
+        raise TypeError(
+            f"{name} must be an integer, got {name}={value!r} of type "
+            f"{type(value).__name__}."
+        )
+    value = cast(Any, value)  # an integer or an integer array (see above)
+    if np.ndim(value) != 0:
+        raise ValueError(
+            f"{name} must be a scalar, got {name} with shape {np.shape(value)}."
+        )
+    if not is_concrete(value):
+        return value.astype(np.int32)
+    if not 0 <= int(value) <= high:
+        raise ValueError(
+            f"{name} must be in [0, {high}] for this configuration, got "
+            f"{name}={value!r}."
+        )
+    return np.asarray(value, dtype=np.int32)
 
 
 def axis_name(value: Any) -> Hashable | tuple[Hashable, ...] | None:

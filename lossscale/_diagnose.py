@@ -95,6 +95,12 @@ def diagnose(
     Returns:
         A :class:`Diagnosis`; ``print`` it for a table.
 
+    Raises:
+        TypeError: if ``dtype`` is not a floating dtype or ``scales`` is
+            not a list of numbers.
+        ValueError: if ``scales`` is empty, not one-dimensional or has a
+            scale outside ``[2**-126, 2**126]``, or ``headroom < 1``.
+
     Examples:
         >>> import jax.numpy as jnp
         >>> import lossscale
@@ -115,7 +121,13 @@ def diagnose(
         raise ValueError(f"headroom must be >= 1, got headroom={headroom!r}.")
     if scales is None:
         scales = 2.0 ** np.arange(0, 25)
-    scales = np.sort(np.asarray(scales, np.float64))
+    try:
+        scales = np.sort(np.asarray(scales, np.float64))
+    except (TypeError, ValueError) as err:
+        raise TypeError(
+            "scales must be None or a list of loss scales (real numbers), "
+            f"got scales={scales!r} ({err})."
+        ) from None
     if (
         scales.ndim != 1
         or not scales.size

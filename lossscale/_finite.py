@@ -232,6 +232,23 @@ def _check_concrete(
     return jnp.asarray(group_finite), jnp.asarray(bad) if per_leaf else None
 
 
+def _all_reduce(ok: jax.Array, axis_name: AxisName) -> jax.Array:
+    """``ok`` agreed over ``axis_name``: true where true on every device."""
+    try:
+        bad = lax.psum(jnp.logical_not(ok).astype(jnp.int32), axis_name)
+    except NameError as err:
+        # JAX's "unbound axis name": no shard_map, pmap or vmap maps it here
+        # (plain jit, eager code, or an axis_name kept from a pmap).
+        raise ValueError(
+            f"axis_name={axis_name!r} names an axis that is not mapped here "
+            f"({err}): axis_name is for code inside jax.shard_map, jax.pmap "
+            "or jax.vmap(..., axis_name=...). Under plain jax.jit (any "
+            "sharding) or eagerly, pass axis_name=None: the check is "
+            "global there."
+        ) from None
+    return bad == 0
+
+
 def _check(
     groups: Sequence[Sequence[jax.Array]],
     *,
@@ -257,8 +274,7 @@ def _check(
     )
     refuse_disagreement(ok, axis_name)
     if axis_name is not None:
-        bad = lax.psum(jnp.logical_not(ok).astype(jnp.int32), axis_name)
-        ok = bad == 0
+        ok = _all_reduce(ok, axis_name)
     if not per_leaf:
         return ok, None
     group_finite, start = [], 0
@@ -277,7 +293,9 @@ def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:
     """Whether every floating leaf of ``tree`` is finite (no inf, no NaN).
 
     Non-floating leaves (integers, booleans, PRNG keys) and ``None`` are
-    ignored; an empty tree is finite. It runs on arrays of any sharding,
+    ignored; an empty tree is finite. Leaves that are not arrays or Python
+    numbers (a string, another object) are refused: skipping them would
+    make ``True`` a vacuous answer. It runs on arrays of any sharding,
     under ``jax.jit`` with explicit or automatic mesh axes, ``shard_map`` and
     ``pmap``: each device reduces what it holds and only a scalar crosses
     between devices.
@@ -295,9 +313,12 @@ def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:
         A boolean scalar array.
 
     Raises:
-        TypeError: if ``axis_name`` is malformed.
-        ValueError: under ``shard_map``, if the result would differ between
-            devices along a mapped axis that ``axis_name`` does not name.
+        TypeError: if ``axis_name`` is malformed, or a leaf of ``tree`` is
+            neither an array nor a Python number.
+        ValueError: if ``axis_name`` names an axis that is not mapped where
+            it is called (under plain ``jit`` or eagerly); under
+            ``shard_map``, if the result would differ between devices along
+            a mapped axis that ``axis_name`` does not name.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -308,7 +329,25 @@ def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:
         Array(False, dtype=bool)
     """
     axis_name = _checks.axis_name(axis_name)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if not _is_array_like(leaf):
+            raise TypeError(
+                "all_finite takes a pytree of arrays (and Python numbers), "
+                f"got a leaf of type {type(leaf).__name__} at "
+                f"tree{jax.tree_util.keystr(path)}: {leaf!r:.60}. A string or "
+                "another object would otherwise be skipped, and the answer "
+                "True would be vacuous."
+            )
     leaves = [
         jnp.asarray(x) for x in jax.tree.leaves(tree) if _tree.is_float(x)
     ]
     return check([leaves], axis_name=axis_name)[0][0]
+
+
+def _is_array_like(x: Any) -> bool:
+    """An array (of any dtype: PRNG keys too), a tracer, or a number."""
+    if isinstance(x, jax.Array | np.ndarray | np.generic):
+        return True
+    if isinstance(x, bool | int | float | complex):
+        return True
+    return hasattr(x, "dtype") and hasattr(x, "shape")

@@ -10,6 +10,7 @@ never traced.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 from typing import (
     TYPE_CHECKING,
@@ -23,6 +24,7 @@ from typing import (
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from lossscale import _checks, _tree
 
@@ -107,6 +109,172 @@ def _clamp(
     clipped = jnp.clip(scale, np.float32(low), np.float32(high))
     fill = np.float32(low if nan is None else nan)
     return jnp.where(jnp.isnan(scale), fill, clipped).astype(jnp.float32)
+
+
+def _host_in_range(x: Any, low: float, high: float) -> bool:
+    """Whether ``x`` is a host (numpy) value known to lie in ``[low, high]``.
+
+    A fresh state's leaves are numpy values: they are returned as they are,
+    without a device round-trip or a change of type.
+    """
+    if not isinstance(x, np.ndarray | np.generic | float | int):
+        return False
+    value = np.asarray(x)  # any shape: vmap-ped ensembles have a batch axis
+    with np.errstate(invalid="ignore"):
+        return bool(np.all((value >= low) & (value <= high)))  # NaN: False
+
+
+def _scale_in_range(
+    scale: Any, low: float, high: float, nan: float | None = None
+) -> Any:
+    """The scale leaf, clamped into ``[low, high]`` (NaN becomes ``nan``).
+
+    A state's leaves can disagree with its static configuration: restored
+    from a checkpoint of another configuration (the checkpoint holds the
+    leaves, the configuration comes from the target) or set by hand. They
+    are never trusted: every use clamps them.
+    """
+    if _host_in_range(scale, low, high):
+        return scale
+    return _clamp(scale, low, high, nan)
+
+
+def _counter_in_range(counter: Any, low: int, high: int) -> Any:
+    """An int32 counter leaf clamped into ``[low, high]``."""
+    if _host_in_range(counter, low, high):
+        return counter
+    counter = jnp.asarray(counter, jnp.int32)
+    return jnp.clip(counter, np.int32(low), np.int32(high)).astype(jnp.int32)
+
+
+def in_range(scale: Any) -> Any:
+    """``scale`` with its leaves clamped into what its configuration allows.
+
+    For the built-in scales; any other policy is returned unchanged (its
+    leaves are its own to keep in range).
+    """
+    reconcile = getattr(scale, "_in_range", None)
+    return reconcile() if callable(reconcile) else scale
+
+
+def clamps_on_use(scale: Any) -> bool:
+    """Whether ``scale`` is a built-in loss scale, whose leaves every use
+    clamps into its configuration (a policy of your own may not)."""
+    return isinstance(scale, NoOpLossScale | StaticLossScale | DynamicLossScale)
+
+
+# A float32 significand (24 bits) and a float64 one (53 bits) are multiplied
+# exactly in base-2**12 limbs of uint32: each partial product is below
+# 2**24, so no uint32 operation overflows.
+_LIMB = 12
+_LIMB_MASK = (1 << _LIMB) - 1
+
+
+def _u32(x: int) -> np.uint32:
+    return np.uint32(x)
+
+
+def _bit(limbs: list[jax.Array], i: int) -> jax.Array:
+    return (limbs[i // _LIMB] >> _u32(i % _LIMB)) & _u32(1)
+
+
+def _any_below(limbs: list[jax.Array], i: int) -> jax.Array:
+    """Whether any of the bits ``[0, i)`` is set, as a uint32 0 or 1."""
+    acc = jnp.zeros((), jnp.uint32)
+    for j in range(i // _LIMB):
+        acc = acc | limbs[j]
+    if i % _LIMB:
+        acc = acc | (limbs[i // _LIMB] & _u32((1 << (i % _LIMB)) - 1))
+    return (acc != 0).astype(jnp.uint32)
+
+
+def _round_half_even(limbs: list[jax.Array], d: int) -> list[jax.Array]:
+    """The number rounded to a multiple of ``2**d``, ties to even."""
+    up = _bit(limbs, d - 1) & (_any_below(limbs, d - 1) | _bit(limbs, d))
+    out = list(limbs)
+    for j in range(d // _LIMB):
+        out[j] = jnp.zeros((), jnp.uint32)
+    k = d // _LIMB
+    out[k] = out[k] & _u32(_LIMB_MASK & ~((1 << (d % _LIMB)) - 1))
+    carry = up << _u32(d % _LIMB)
+    for j in range(k, len(out)):
+        total = out[j] + carry
+        out[j] = total & _u32(_LIMB_MASK)
+        carry = total >> _u32(_LIMB)
+    return [*out, carry]
+
+
+def _extract(limbs: list[jax.Array], lo: int, n: int) -> jax.Array:
+    """Bits ``[lo, lo + n)`` as a uint32 (``n <= 31``)."""
+    acc = jnp.zeros((), jnp.uint32)
+    for j, limb in enumerate(limbs):
+        offset = j * _LIMB - lo
+        if offset >= n or offset + _LIMB <= 0:
+            continue
+        # Bits shifted past the window wrap away in uint32 or are masked.
+        part = limb << _u32(offset) if offset >= 0 else limb >> _u32(-offset)
+        acc = acc | part
+    return acc & _u32((1 << n) - 1)
+
+
+def _times(scale: jax.Array, factor: float) -> jax.Array:
+    """``scale * factor`` rounded as ``torch.amp.GradScaler`` rounds it.
+
+    PyTorch's ``_amp_update_scale_`` kernels (CPU and CUDA) multiply the
+    float32 scale by the factor as a C++ ``double`` and store the result in
+    float32: ``float(double(scale) * factor)``, two roundings (to 53 bits,
+    then to 24). A factor that float32 holds exactly leaves a product of at
+    most 48 bits, which the double holds exactly, so the float32 multiply
+    (correctly rounded) gives the same. Any other factor (0.9, say) is
+    multiplied here exactly in integer limbs and rounded twice, as the
+    double arithmetic does, with no float64 in the traced program.
+
+    ``scale`` must be a positive normal float32 (the callers clamp it); a
+    product below ``2**-126`` comes out as 0 and one above float32's range
+    as inf, for the clamp that follows.
+    """
+    factor32 = np.float32(factor)
+    if float(factor32) == factor:
+        return scale * factor32
+    mantissa, exponent = math.frexp(factor)  # factor = mantissa * 2**exponent
+    mant_f = int(mantissa * 2**53)  # exactly: a double has 53 bits
+    exp_f = exponent - 53
+    bits = lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.uint32)
+    biased = (bits >> _u32(23)) & _u32(0xFF)
+    mant_s = (bits & _u32(0x7FFFFF)) | _u32(0x800000)
+    s_limbs = [mant_s & _u32(_LIMB_MASK), mant_s >> _u32(_LIMB)]
+    f_limbs = [(mant_f >> (_LIMB * j)) & _LIMB_MASK for j in range(5)]
+    columns: list[Any] = [jnp.zeros((), jnp.uint32) for _ in range(7)]
+    for i, s_limb in enumerate(s_limbs):
+        for j, f_limb in enumerate(f_limbs):
+            if f_limb:
+                columns[i + j] = columns[i + j] + s_limb * _u32(f_limb)
+    limbs, carry = [], jnp.zeros((), jnp.uint32)
+    for column in columns:
+        total = column + carry
+        limbs.append(total & _u32(_LIMB_MASK))
+        carry = total >> _u32(_LIMB)
+    # The product has 76 or 77 bits (2**75 <= mant_s * mant_f < 2**77).
+    results = []
+    for length in (77, 76):
+        as_double = _round_half_even(limbs, length - 53)
+        as_float = _round_half_even(as_double, length - 24)
+        q = _extract(as_float, length - 24, 25)
+        overflowed = q >> _u32(24)  # rounding carried into a new bit
+        q = jnp.where(overflowed == 1, q >> _u32(1), q)
+        shift = (length - 24) + overflowed.astype(jnp.int32)
+        results.append((q, shift))
+    long = _bit(limbs, 76) == 1
+    q = jnp.where(long, results[0][0], results[1][0])
+    shift = jnp.where(long, results[0][1], results[1][1])
+    # value = q * 2**(shift + exp_f) * 2**(biased - 150), q in [2**23, 2**24)
+    out_biased = biased.astype(jnp.int32) + shift + np.int32(exp_f)
+    out_bits = (out_biased.astype(jnp.uint32) << _u32(23)) | (
+        q & _u32(0x7FFFFF)
+    )
+    out = lax.bitcast_convert_type(out_bits, jnp.float32)
+    out = jnp.where(out_biased < 1, np.float32(0.0), out)
+    return jnp.where(out_biased > 254, np.float32(np.inf), out)
 
 
 def _scale_leaf(x: Any, scale: jax.Array) -> Any:
@@ -210,7 +378,9 @@ class StaticLossScale:
             as float32), so that it and its reciprocal are normal float32
             numbers. A power of two makes unscaling exact. A traced value
             (a scale built inside ``jit``) cannot be checked: it is clamped
-            into that range, and NaN becomes 1.
+            into that range, and NaN becomes 1. So is a leaf that never
+            went through this check (restored from a checkpoint, set by
+            hand): every use clamps it.
 
     Raises:
         TypeError: if ``loss_scale`` is not a real number.
@@ -234,15 +404,27 @@ class StaticLossScale:
             value = _clamp(value, _checks.MIN_SCALE, _checks.MAX_SCALE, 1.0)
         object.__setattr__(self, "loss_scale", value)
 
+    def _in_range(self) -> StaticLossScale:
+        # A leaf set by hand or restored (never validated) is clamped into
+        # the range __init__ enforces, NaN to 1.
+        scale = _scale_in_range(
+            self.loss_scale, _checks.MIN_SCALE, _checks.MAX_SCALE, 1.0
+        )
+        return (
+            self
+            if scale is self.loss_scale
+            else _replace(self, loss_scale=scale)
+        )
+
     def scale(self, tree: T) -> T:
-        return _scale_tree(tree, self.loss_scale)
+        return _scale_tree(tree, self._in_range().loss_scale)
 
     def unscale(self, tree: T) -> T:
-        return _unscale_tree(tree, self.loss_scale)
+        return _unscale_tree(tree, self._in_range().loss_scale)
 
     def adjust(self, grads_finite: jax.typing.ArrayLike) -> StaticLossScale:
         _checks.scalar_bool("grads_finite", grads_finite)
-        return self
+        return self._in_range()
 
     def metrics(self) -> dict[str, jax.Array]:
         """``{"at_min_scale": True}``: this scale can never go lower."""
@@ -283,7 +465,21 @@ class DynamicLossScale:
     checkpoint, becomes ``min_loss_scale``). With a power-of-two initial
     scale, factors and bounds, every scale is a power of two, so unscaling
     is exact. The configuration reads back exactly as given
-    (``backoff_factor=0.8`` stays ``0.8``); the arithmetic is float32.
+    (``backoff_factor=0.8`` stays ``0.8``), and each factor is applied as
+    ``torch.amp.GradScaler`` applies it: ``float32(float64(scale) *
+    factor)``, bit for bit, computed without float64.
+
+    A state whose leaves disagree with its configuration (restored from a
+    checkpoint saved under another configuration: the checkpoint holds the
+    leaves, the configuration comes from the target; or set by hand) is
+    never trusted: every use (``scale``, ``unscale``, ``adjust``,
+    ``metrics``, :func:`lossscale.loss_scaled`'s update,
+    :func:`lossscale.get_loss_scale`) clamps the scale into
+    ``[min_loss_scale, max_loss_scale]`` (NaN to the minimum),
+    ``growth_tracker`` into ``[0, growth_interval - 1]`` and
+    ``hysteresis_tracker`` into ``[0, hysteresis]``, which is what this
+    configuration can reach. :func:`lossscale.compare_config` lists such
+    disagreements.
 
     Leaves (float32/int32 scalars): ``loss_scale``, ``growth_tracker``
     (consecutive finite steps since the last growth or overflow) and
@@ -309,6 +505,18 @@ class DynamicLossScale:
         hysteresis: overflows tolerated before the first backoff, as in
             Megatron-LM (which defaults to 2). Default 1: back off on every
             overflow.
+        growth_tracker: the initial count of finite steps, in ``[0,
+            growth_interval - 1]``. Default 0. With ``hysteresis_tracker``,
+            it rebuilds a state by hand (and makes
+            ``dataclasses.replace`` work, validated like any other
+            argument). A traced value is clamped instead of checked.
+        hysteresis_tracker: the initial count of overflows still
+            tolerated, in ``[0, hysteresis]``. Default ``hysteresis``.
+
+    The integer arguments take any concrete integer scalar (a Python int,
+    a numpy integer, a 0-d integer array of numpy or JAX), the factors and
+    bounds any concrete real scalar; booleans and traced values are
+    refused.
 
     Raises:
         TypeError: if an argument has the wrong type (e.g. a float
@@ -351,6 +559,8 @@ class DynamicLossScale:
         min_loss_scale: float = 1.0,
         max_loss_scale: float = 2.0**24,
         hysteresis: int = 1,
+        growth_tracker: jax.typing.ArrayLike = 0,
+        hysteresis_tracker: jax.typing.ArrayLike | None = None,
     ) -> None:
         growth_interval = _checks.positive_int(
             "growth_interval", growth_interval
@@ -379,10 +589,22 @@ class DynamicLossScale:
                 f"[{min_loss_scale!r}, {max_loss_scale!r}], got "
                 f"loss_scale={loss_scale!r}."
             )
+        if hysteresis_tracker is None:
+            hysteresis_tracker = hysteresis
+        growth = _checks.counter(
+            "growth_tracker", growth_tracker, growth_interval - 1
+        )
+        hyst = _checks.counter(
+            "hysteresis_tracker", hysteresis_tracker, hysteresis
+        )
+        if not _checks.is_concrete(growth):
+            growth = _counter_in_range(growth, 0, growth_interval - 1)
+        if not _checks.is_concrete(hyst):
+            hyst = _counter_in_range(hyst, 0, hysteresis)
         set_ = object.__setattr__
         set_(self, "loss_scale", scale)
-        set_(self, "growth_tracker", np.zeros((), np.int32))
-        set_(self, "hysteresis_tracker", np.full((), hysteresis, np.int32))
+        set_(self, "growth_tracker", growth)
+        set_(self, "hysteresis_tracker", hyst)
         set_(self, "growth_interval", growth_interval)
         set_(self, "growth_factor", growth_factor)
         set_(self, "backoff_factor", backoff_factor)
@@ -390,25 +612,51 @@ class DynamicLossScale:
         set_(self, "max_loss_scale", max_loss_scale)
         set_(self, "hysteresis", hysteresis)
 
+    def _in_range(self) -> DynamicLossScale:
+        """This state with every leaf clamped into what the configuration
+        allows: the scale into ``[min_loss_scale, max_loss_scale]`` (NaN to
+        the minimum), ``growth_tracker`` into ``[0, growth_interval - 1]``,
+        ``hysteresis_tracker`` into ``[0, hysteresis]``."""
+        scale = _scale_in_range(
+            self.loss_scale, self.min_loss_scale, self.max_loss_scale
+        )
+        growth = _counter_in_range(
+            self.growth_tracker, 0, self.growth_interval - 1
+        )
+        hyst = _counter_in_range(self.hysteresis_tracker, 0, self.hysteresis)
+        if (
+            scale is self.loss_scale
+            and growth is self.growth_tracker
+            and hyst is self.hysteresis_tracker
+        ):
+            return self
+        return _replace(
+            self,
+            loss_scale=scale,
+            growth_tracker=growth,
+            hysteresis_tracker=hyst,
+        )
+
     def scale(self, tree: T) -> T:
-        return _scale_tree(tree, self.loss_scale)
+        return _scale_tree(tree, self._in_range().loss_scale)
 
     def unscale(self, tree: T) -> T:
-        return _unscale_tree(tree, self.loss_scale)
+        return _unscale_tree(tree, self._in_range().loss_scale)
 
     def adjust(self, grads_finite: jax.typing.ArrayLike) -> DynamicLossScale:
         finite = _checks.scalar_bool("grads_finite", grads_finite)
-        scale = jnp.asarray(self.loss_scale, jnp.float32)
-        growth = jnp.asarray(self.growth_tracker, jnp.int32) + 1
-        hyst = jnp.asarray(self.hysteresis_tracker, jnp.int32)
+        current = self._in_range()
+        scale = jnp.asarray(current.loss_scale, jnp.float32)
+        growth = jnp.asarray(current.growth_tracker, jnp.int32) + 1
+        hyst = jnp.asarray(current.hysteresis_tracker, jnp.int32)
 
         grow = finite & (growth >= self.growth_interval)
         hyst_after_overflow = jnp.maximum(hyst - 1, 0)
         backoff = ~finite & (hyst_after_overflow == 0)
         new_scale = jnp.where(
             grow,
-            scale * self.growth_factor,
-            jnp.where(backoff, scale * self.backoff_factor, scale),
+            _times(scale, self.growth_factor),
+            jnp.where(backoff, _times(scale, self.backoff_factor), scale),
         )
         new_scale = _clamp(new_scale, self.min_loss_scale, self.max_loss_scale)
         new_growth = jnp.where(finite & ~grow, growth, 0)
@@ -425,11 +673,12 @@ class DynamicLossScale:
         )
 
     def metrics(self) -> dict[str, jax.Array]:
+        current = self._in_range()
         return {
-            "growth_tracker": jnp.asarray(self.growth_tracker, jnp.int32),
+            "growth_tracker": jnp.asarray(current.growth_tracker, jnp.int32),
             "hysteresis_tracker": jnp.asarray(
-                self.hysteresis_tracker, jnp.int32
+                current.hysteresis_tracker, jnp.int32
             ),
-            "at_min_scale": jnp.asarray(self.loss_scale, jnp.float32)
+            "at_min_scale": jnp.asarray(current.loss_scale, jnp.float32)
             <= self.min_loss_scale,
         }

@@ -29,10 +29,10 @@ import numpy as np
 import optax
 from jax import lax
 
-from lossscale import _checks, _compat, _finite, _skip, _tree
+from lossscale import _checks, _compat, _finite, _scales, _skip, _tree
 from lossscale._scales import LossScale
 
-OnMinScale = Literal["ignore", "error"]
+OnMinScale = Literal["ignore", "error", "count"]
 Groups = dict[Hashable, LossScale]
 
 _SINGLE = "loss_scale"  # the one group of loss_scaled
@@ -63,10 +63,10 @@ class LossScaledState(NamedTuple):
             step's gradients held an inf or NaN, in tree order
             (``shape=(number of leaves,), dtype=bool``; read it with
             :func:`lossscale.nonfinite_paths`); else ``None``.
-        min_scale_skips: with ``on_min_scale="error"``, the number of
-            consecutive skipped steps on which a group whose gradients were
-            not finite was already at its minimum scale (``shape=(),
-            dtype=int32``); else ``None``.
+        min_scale_skips: with ``on_min_scale="error"`` or ``"count"``, the
+            number of consecutive skipped steps on which a group whose
+            gradients were not finite was already at its minimum scale
+            (``shape=(), dtype=int32``); else ``None``.
         grad_norm: with ``report_grad_norm=True``, the global L2 norm of
             the last step's unscaled gradients (``shape=(), dtype=float32``;
             0 after ``init``); else ``None``.
@@ -183,7 +183,10 @@ def loss_scaled(
             marked ``False`` are neither unscaled nor checked (e.g. float8
             scale/amax metadata, frozen leaves); they reach ``inner``
             unchanged. A callable is called on the gradients in ``update``
-            and on the parameters in ``init``.
+            and on the parameters in ``init`` (on their fast params for
+            ``optax.lookahead``'s ``LookaheadParams``, whose gradients are
+            those of the fast params; ``report_nonfinite`` is sized the
+            same way).
         on_min_scale: ``"ignore"`` (the default: keep skipping; watch
             ``at_min_scale`` and ``consecutive_skips`` in :func:`metrics`)
             or ``"error"``: raise a ``FloatingPointError`` once
@@ -195,9 +198,16 @@ def loss_scaled(
             its minimum; a policy of your own must report ``at_min_scale``
             in its ``metrics()``. Under ``jit`` the error comes from the
             host through ``jax.debug.callback`` (called only when it
-            fires), and JAX may wrap it in its own runtime error.
+            fires), and JAX may wrap it in its own runtime error; that host
+            callback cannot be serialized, so ``jax.export`` of a step built
+            with ``"error"`` fails (``NotImplementedError: serialization of
+            host_callbacks``). ``"count"`` is the export-friendly form:
+            the state counts ``min_scale_skips`` exactly as with
+            ``"error"``, nothing is raised, and the host stops the run when
+            ``metrics(opt_state)["min_scale_skips"] >= patience``.
         min_scale_patience: the number of such consecutive skipped steps
-            before ``on_min_scale="error"`` raises; a positive int.
+            before ``on_min_scale="error"`` raises (unused by ``"count"``);
+            a positive int.
         report_nonfinite: record in the state which gradient leaves held an
             inf or NaN in the last step (agreed over ``axis_name``), for
             :func:`lossscale.nonfinite_paths` and the ``nonfinite_leaves``
@@ -231,9 +241,9 @@ def loss_scaled(
         TypeError: if ``inner`` is not a gradient transformation,
             ``loss_scale`` does not implement the protocol, or ``axis_name``
             or ``mask`` is malformed.
-        ValueError: if ``on_min_scale`` is not ``"ignore"`` or ``"error"``,
-            ``on_min_scale="error"`` is given a policy that does not report
-            ``at_min_scale``, or ``min_scale_patience`` is not in
+        ValueError: if ``on_min_scale`` is not ``"ignore"``, ``"error"`` or
+            ``"count"``, either of the last two is given a policy that does
+            not report ``at_min_scale``, or ``min_scale_patience`` is not in
             ``[1, 2**31 - 1]`` (a ``TypeError`` if it is not an int); and
             in ``update``, at trace time: if float16 (or float8) gradients
             meet a loss scale that may go below 1 (unscaling them could
@@ -448,18 +458,18 @@ def _make_spec(
     report_nonfinite: Any,
     report_grad_norm: Any = False,
 ) -> _Spec:
-    if on_min_scale not in ("ignore", "error"):
+    if on_min_scale not in ("ignore", "error", "count"):
         raise ValueError(
-            'on_min_scale must be "ignore" or "error", got '
+            'on_min_scale must be "ignore", "error" or "count", got '
             f"on_min_scale={on_min_scale!r}."
         )
-    if on_min_scale == "error":
+    if on_min_scale != "ignore":
         for label, scale in groups.items():
             if "at_min_scale" not in _metrics_of(scale):
                 where = "loss_scale" if label == _SINGLE else label
                 raise ValueError(
-                    'on_min_scale="error" needs to know when the scale is at '
-                    f"its minimum, but {where}={scale!r} has no "
+                    f"on_min_scale={on_min_scale!r} needs to know when the "
+                    f"scale is at its minimum, but {where}={scale!r} has no "
                     "'at_min_scale' in its metrics(). Add it to your "
                     'policy\'s metrics(), or use on_min_scale="ignore" and '
                     "watch consecutive_skips in lossscale.metrics."
@@ -497,12 +507,18 @@ def _make_spec(
 def _transformation(spec: _Spec) -> optax.GradientTransformationExtraArgs:
     def init_fn(params: optax.Params) -> LossScaledState:
         leaves = None
+        like = gradients_like(params)
         if spec.mask is not None:
-            _tree.resolve_mask(spec.mask, params)
+            _at_init("mask", spec.mask, like, _tree.resolve_mask)
         if spec.grouped:
-            _labels(spec, spec.initial, params)
+            _at_init(
+                "param_labels",
+                spec.param_labels,
+                like,
+                lambda _, tree: _labels(spec, spec.initial, tree),
+            )
         if spec.report_nonfinite:
-            n = len(_tree.leaves_and_nones(params))
+            n = len(_tree.leaves_and_nones(like))
             leaves = jnp.zeros((n,), jnp.bool_)
         return LossScaledState(
             loss_scale=_public(spec, spec.initial),
@@ -515,7 +531,7 @@ def _transformation(spec: _Spec) -> optax.GradientTransformationExtraArgs:
             nonfinite=leaves,
             min_scale_skips=(
                 jnp.zeros((), jnp.int32)
-                if spec.on_min_scale == "error"
+                if spec.on_min_scale != "ignore"
                 else None
             ),
             grad_norm=(
@@ -602,9 +618,12 @@ def _update(
     new_groups = _adjust(groups, group_finite)
     counters = _next_counters(state, finite)
     min_scale_skips = None
-    if spec.on_min_scale == "error":
+    if spec.on_min_scale != "ignore":
         min_scale_skips = _min_scale_alarm(
-            groups, group_finite, state.min_scale_skips, spec.min_scale_patience
+            groups,
+            group_finite,
+            state.min_scale_skips,
+            spec.min_scale_patience if spec.on_min_scale == "error" else None,
         )
     return updates, counters._replace(
         loss_scale=_public(spec, new_groups),
@@ -616,10 +635,12 @@ def _update(
 
 
 def _groups(spec: _Spec, loss_scale: Any) -> Groups:
-    """The state's loss scale(s) as a dict of groups."""
+    """The state's loss scale(s) as a dict of groups, each clamped into its
+    configuration's range: a restored or hand-made state is never trusted,
+    so the floor the check relies on holds for the scale actually used."""
     if spec.grouped:
-        return dict(loss_scale)
-    return {_SINGLE: loss_scale}
+        return {k: _scales.in_range(v) for k, v in dict(loss_scale).items()}
+    return {_SINGLE: _scales.in_range(loss_scale)}
 
 
 def _public(spec: _Spec, groups: Groups) -> Any:
@@ -672,8 +693,14 @@ def _plan(spec: _Spec, groups: Groups, grads: optax.Updates) -> _Plan:
             members[labels[i]].append(i)
     # The floor of the scale in the state, where the trace shows it (a
     # dynamic scale's bound is static; a static scale's value is traced
-    # under jit).
-    floors = {label: _floor(scale) for label, scale in groups.items()}
+    # under jit). Only the built-in scales clamp their leaves into their
+    # configuration on use: a policy of your own may hold (restored, or set
+    # by hand) a scale below the floor its attribute claims, so its check
+    # reads the unscaled gradients; its floor still guides the refusal.
+    floors = {
+        label: _floor(scale) if _scales.clamps_on_use(scale) else None
+        for label, scale in groups.items()
+    }
     with_nones = _tree.leaves_and_nones(grads)
     positions = [j for j, leaf in enumerate(with_nones) if leaf is not None]
     return _Plan(
@@ -755,10 +782,13 @@ def _checked_values(
     A finite gradient divided by a scale >= 1 cannot overflow, so where the
     scale cannot go below 1 the scaled gradients are finite exactly when the
     unscaled ones are: they are checked as they arrive, and XLA need not
-    fuse the unscale into the check. Where the scale may go below 1 (or its
-    floor is unknown: a static scale's value, traced under ``jit``, may be
-    anything a checkpoint or a user put in the state) the unscaled ones are
-    checked, after the scaled ones
+    fuse the unscale into the check. The floor is that of the scale in use:
+    a built-in scale's leaves are clamped into its configuration first (a
+    restored or hand-set scale below ``min_loss_scale`` is used as that
+    minimum). Where the scale may go below 1 (or its floor is unknown: a
+    static scale's value, traced under ``jit``, may be anything a checkpoint
+    or a user put in the state; a policy of your own, whose leaves are not
+    clamped) the unscaled ones are checked, after the scaled ones
     when called eagerly: scaled gradients already non-finite are never
     unscaled (``jax_debug_nans`` would stop at the multiply).
     """
@@ -823,15 +853,50 @@ def _grad_norm(plan: _Plan, unscaled: _Unscaled, previous: Any) -> jax.Array:
     return jnp.sqrt(total)
 
 
+def _at_init(
+    name: str, given: Any, like: Any, resolve: Callable[[Any, Any], Any]
+) -> None:
+    """Checks ``mask`` or ``param_labels`` against the params in ``init``,
+    with an error that says it is the params (not the gradients) that do
+    not fit."""
+    try:
+        resolve(given, like)
+    except ValueError as err:
+        if not str(err).startswith(f"{name} must have the structure"):
+            raise
+        tree = given(like) if callable(given) else given
+        raise ValueError(
+            f"{name} must have the structure of the gradients (or a prefix "
+            "of it), which init reads from the params it is given (from "
+            "their fast params for optax.lookahead's LookaheadParams): got "
+            f"{name} structure {jax.tree.structure(tree)} for params with "
+            f"structure {jax.tree.structure(like)}."
+        ) from None
+
+
+def gradients_like(params: Any) -> Any:
+    """The tree whose structure ``init`` takes for the gradients'.
+
+    The params, except where a wrapper's params are not shaped like its
+    gradients: optax.lookahead's ``LookaheadParams`` hold the fast and the
+    slow params, and the gradients are those of the fast ones.
+    """
+    if isinstance(params, optax.LookaheadParams):
+        return params.fast
+    return params
+
+
 def _check_report_size(state: LossScaledState, plan: _Plan) -> None:
     size = None if state.nonfinite is None else jnp.shape(state.nonfinite)
     if size != (plan.report_size,):
         raise ValueError(
             "report_nonfinite=True records one flag per leaf (or None) of "
             f"the gradients: they have {plan.report_size}, but the state has "
-            f"room for {size}. The state must come from this "
-            "transformation's init, given params of the gradients' structure "
-            "(or a checkpoint of one built with report_nonfinite=True)."
+            f"room for {size}. init sizes it from the params it is given "
+            "(their fast params for optax.lookahead's LookaheadParams), so "
+            "they must have the gradients' structure; or the state comes "
+            "from a checkpoint of another transformation (built without "
+            "report_nonfinite=True, or for other params)."
         )
 
 
@@ -892,9 +957,10 @@ def _min_scale_alarm(
     groups: Groups,
     group_finite: jax.Array,
     min_scale_skips: jax.Array | None,
-    patience: int,
+    patience: int | None,
 ) -> jax.Array:
-    """Counts skips at the minimum; raises once there were ``patience``.
+    """Counts skips at the minimum; raises once there were ``patience``
+    (never if ``patience`` is ``None``: ``on_min_scale="count"``).
 
     A skipped step counts when a group whose gradients were not finite was
     already at its minimum scale when the step ran: lowering that scale no
@@ -902,9 +968,9 @@ def _min_scale_alarm(
     """
     if min_scale_skips is None:
         raise ValueError(
-            'on_min_scale="error" needs a state made by this transformation\'s '
-            "init (its min_scale_skips is None: a checkpoint saved without "
-            'on_min_scale="error"?).'
+            'on_min_scale="error" (or "count") needs a state made by this '
+            "transformation's init (its min_scale_skips is None: a "
+            'checkpoint saved with on_min_scale="ignore"?).'
         )
     at_min = jnp.stack(
         [jnp.asarray(_metrics_of(s)["at_min_scale"]) for s in groups.values()]
@@ -912,6 +978,8 @@ def _min_scale_alarm(
     hit = jnp.any(jnp.logical_not(group_finite) & at_min)
     count = jnp.where(hit, optax.safe_increment(min_scale_skips), 0)
     count = count.astype(jnp.int32)
+    if patience is None:
+        return count
     stuck = count >= patience
     scales = jnp.stack([jnp.asarray(s.loss_scale) for s in groups.values()])
     if not _compat.is_tracer(stuck):

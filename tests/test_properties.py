@@ -3,8 +3,15 @@
 The references are written from the anchors' documented semantics, not from
 the library: PyTorch's GradScaler (``_amp_update_scale``) for
 ``hysteresis=1`` and Megatron-LM's ``DynamicGradScaler.update`` for
-``hysteresis > 1``, plus lossscale's clip to ``[min, max]``. Arithmetic is
-float32, as on the device.
+``hysteresis > 1``, plus lossscale's clip to ``[min, max]``. The scale is
+float32, as on the device, and each factor is applied as GradScaler's
+kernels apply it: the float32 scale times the factor as a C++ double,
+stored in float32 (``times`` below). Megatron-LM's ``self._scale *
+self.backoff_factor`` (a float32 tensor times a Python float) computes in
+float32 with the factor rounded first, so its values differ from these by
+rounding when a factor is not a float32 number; its reference here is the
+timing of its state machine with GradScaler's arithmetic, which is what
+lossscale promises for ``hysteresis > 1``.
 """
 
 import jax
@@ -18,18 +25,23 @@ import lossscale
 F32 = np.float32
 
 
+def times(scale, factor):
+    """GradScaler's ``static_cast<float>(float_scale * double_factor)``."""
+    return F32(np.float64(scale) * np.float64(factor))
+
+
 @np.errstate(over="ignore")  # growth past float32 max is inf, then clipped
 def torch_reference(cfg, pattern):
     scale, growth = F32(cfg["loss_scale"]), 0
     out = []
     for finite in pattern:
         if not finite:
-            scale = F32(scale * F32(cfg["backoff_factor"]))
+            scale = times(scale, cfg["backoff_factor"])
             growth = 0
         else:
             growth += 1
             if growth == cfg["growth_interval"]:
-                scale = F32(scale * F32(cfg["growth_factor"]))
+                scale = times(scale, cfg["growth_factor"])
                 growth = 0
         scale = F32(
             np.clip(scale, cfg["min_loss_scale"], cfg["max_loss_scale"])
@@ -47,13 +59,13 @@ def megatron_reference(cfg, pattern):
             growth = 0
             hyst -= 1
             if hyst <= 0:
-                scale = F32(scale * F32(cfg["backoff_factor"]))
+                scale = times(scale, cfg["backoff_factor"])
         else:
             growth += 1
             if growth == cfg["growth_interval"]:
                 growth = 0
                 hyst = cfg["hysteresis"]
-                scale = F32(scale * F32(cfg["growth_factor"]))
+                scale = times(scale, cfg["growth_factor"])
         scale = F32(
             np.clip(scale, cfg["min_loss_scale"], cfg["max_loss_scale"])
         )
@@ -87,8 +99,10 @@ def configs(draw):
         growth = draw(st.sampled_from([2.0, 4.0]))
         backoff = draw(st.sampled_from([0.5, 0.25]))
     else:
-        growth = draw(st.floats(1.0078125, 4.0, width=32))
-        backoff = draw(st.floats(0.0625, 0.984375, width=32))
+        # Doubles, not float32 numbers: a factor float32 cannot hold is
+        # where rounding it first (as lossscale did before 0.2) differs.
+        growth = draw(st.floats(1.0078125, 4.0))
+        backoff = draw(st.floats(0.0625, 0.984375))
     lo_exp = draw(st.integers(-20, 10))
     hi_exp = draw(st.integers(lo_exp, 126))  # 2**126: the largest allowed
     init_exp = draw(st.integers(lo_exp, hi_exp))
@@ -151,6 +165,37 @@ def test_invariants(cfg, pattern):
         # power-of-two factors and bounds: every scale is a power of two
         exps = np.log2(scales)
         np.testing.assert_array_equal(exps, np.round(exps))
+
+
+def test_reference_rounds_as_gradscaler_not_in_float32():
+    # Negative control: with a factor float32 cannot hold, rounding it
+    # first (float32 arithmetic, lossscale < 0.2, Megatron-LM) drifts from
+    # GradScaler within a few backoffs, and the reference sees it.
+    cfg = {
+        "loss_scale": 1.0,
+        "growth_interval": 3,
+        "growth_factor": 1.7,
+        "backoff_factor": 0.9,
+        "min_loss_scale": 2.0**-20,
+        "max_loss_scale": 2.0**24,
+        "hysteresis": 1,
+    }
+    pattern = (False,) * 10 + (True,) * 9 + (False,) * 5
+    got = run_library(cfg, pattern)
+    assert got == torch_reference(cfg, pattern)
+    rounded_first = run_reference_with_float32_factors(cfg, pattern)
+    assert [s for s, _ in rounded_first] != [s for s, _ in got]
+
+
+@np.errstate(over="ignore")
+def run_reference_with_float32_factors(cfg, pattern):
+    """torch_reference with each factor rounded to float32 first."""
+    rounded = {
+        **cfg,
+        "growth_factor": float(F32(cfg["growth_factor"])),
+        "backoff_factor": float(F32(cfg["backoff_factor"])),
+    }
+    return torch_reference(rounded, pattern)
 
 
 def test_long_patterns_thousands_of_steps():
