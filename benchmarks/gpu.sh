@@ -12,3 +12,7 @@ assert jax.default_backend() == "gpu", (
 )
 PY
 XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/step_overhead.py --out "$out"
+# autocast against float32 and the hand-cast float16 model: step time and
+# memory (needs flax, as the demo does).
+XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/autocast.py \
+    --out "${out%.md}-autocast.md"

@@ -42,7 +42,7 @@ from lossscale._transform import (
 )
 from lossscale._tree import select_tree
 
-__version__ = "0.2.0.dev0"
+__version__ = "0.3.0.dev0"
 
 _interop.register_flax_serialization(
     (NoOpLossScale, StaticLossScale, DynamicLossScale)

@@ -37,3 +37,18 @@ def test_quick_benchmark_writes_every_section(tmp_path):
     assert "| unscale + all_finite, no skip |" in report
     ratios = [float(r) for r in re.findall(r"\| ([0-9.]+) \|\n", report)]
     assert ratios and all(r > 0 for r in ratios)
+
+
+@pytest.mark.slow
+@pytest.mark.standard_promotion
+def test_quick_autocast_benchmark_reports_every_variant(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "autocast_benchmark", ROOT / "benchmarks" / "autocast.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "autocast.md"
+    report = bench.main(["--quick", "--out", str(out)])
+    assert out.read_text() == report
+    for variant in bench.VARIANTS:
+        assert f"| {variant} |" in report
