@@ -154,14 +154,12 @@ def autocast(
         dtype('float32')
         >>> jax.grad(f16_loss)(w, x).dtype  # the master weights' dtype
         dtype('float32')
-        >>> print(jax.make_jaxpr(f16_loss)(w, x))  # doctest: +ELLIPSIS
-        { lambda ; a:f32[3,2] b:f32[4,3]. let
-            c:f16[4,3] = convert_element_type[new_dtype=float16 ...] b
-            d:f16[3,2] = convert_element_type[new_dtype=float16 ...] a
-            e:f16[4,2] = dot_general[...preferred_element_type=float16] c d
-            f:f32[4,2] = convert_element_type[new_dtype=float32 ...] e
-            g:f32[4,2] = exp f
-            ...
+        >>> jaxpr = jax.make_jaxpr(jax.grad(f16_loss))(w, x).jaxpr
+        >>> def dtypes(name):  # of each equation's first operand
+        ...     return {str(e.invars[0].aval.dtype)
+        ...             for e in jaxpr.eqns if e.primitive.name == name}
+        >>> dtypes("dot_general"), dtypes("exp")  # forward and backward
+        ({'float16'}, {'float32'})
 
     References:
         Micikevicius et al., `Mixed Precision Training
