@@ -38,6 +38,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
@@ -540,7 +541,20 @@ def _equation(
         if rule == "float32" or rule == "original":
             return _original(ctx, eqn, invals)
     elif name in _RECURSIONS:
-        return _RECURSIONS[name](ctx, eqn, invals, eqn in widened)
+        try:
+            return _RECURSIONS[name](ctx, eqn, invals, eqn in widened)
+        except (AttributeError, KeyError) as err:
+            # The params of a higher-order primitive are JAX internals: on a
+            # JAX that moved them, the equation runs as traced (correct, in
+            # float32), and says so.
+            warnings.warn(
+                f"lossscale.autocast: cannot evaluate {name} on this JAX "
+                f"({jax.__version__}; {type(err).__name__}: {err}); it runs "
+                "at its traced dtypes. Please report this.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return _original(ctx, eqn, invals)
     if name == "convert_element_type":
         return _convert(ctx, eqn, invals)
     if any(v.cls == KEEP and _is_float(_dtype(v.x)) for v in invals):

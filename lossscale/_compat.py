@@ -9,15 +9,25 @@ the quick ones on jax 0.8, 0.9 and 0.11.
 
 What is used, and what happens if it moves:
 
-- jaxpr evaluation (:func:`bind_equation`, :func:`literal_value`): the
-  copy-free skip re-binds the inner update's equations. If that fails with
-  an ``AttributeError``/``TypeError``/``KeyError`` the skip falls back to a
-  ``lax.cond`` with a ``RuntimeWarning`` (``lossscale/_skip.py``).
+- jaxpr evaluation (:func:`bind_equation`, :func:`literal_value`,
+  :func:`name_stack`, :func:`function_name`): the copy-free skip re-binds
+  the inner update's equations, and autocast all of a function's. If the
+  skip's fails with an ``AttributeError``/``TypeError``/``KeyError`` it
+  falls back to a ``lax.cond`` with a ``RuntimeWarning``
+  (``lossscale/_skip.py``).
 - the varying mapped axes of an abstract value (:func:`vma`): used to
   refuse a ``shard_map`` whose replicas would disagree on a skip. Unknown
   fields read as "varies over nothing", which disables that check only.
 - whether ``shard_map`` tracks varying axes (:func:`unchecked_manual_axes`):
   an internal config state. If it is missing, nothing is detected.
+- the params of higher-order equations (``scan``'s ``jaxpr``,
+  ``num_consts``, ``num_carry``; ``while``'s, ``cond``'s, ``remat``'s,
+  ``shard_map``'s; :func:`call_jaxpr`, :func:`shard_map_axes`) and the
+  pieces of a ``custom_jvp_call`` (:func:`bind_with_subfuns`,
+  :func:`jvp_jaxpr`): autocast reads them to evaluate those equations'
+  jaxprs with its rules. If one moves (an ``AttributeError`` or
+  ``KeyError``), that equation runs at its traced dtypes, with a
+  ``RuntimeWarning`` (``lossscale/_autocast.py``).
 - the ``PmapSharding`` class (:func:`pmap_laid_out`), which only jax 0.7's
   ``pmap`` outputs carry. If it is missing, such outputs are checked
   eagerly by one program, which first moves them: correct, but a copy.

@@ -88,6 +88,25 @@ def test_every_matmul_forward_and_backward_runs_in_the_compute_dtype(
     assert set(dots(jax.grad(mlp_loss), params, x)) == {(F32, F32)}
 
 
+def test_convolutions_forward_and_backward_and_vjp():
+    def f(kernel, x):
+        y = lax.conv_general_dilated(x, kernel, (1, 1), "SAME")
+        return jnp.mean(jax.nn.relu(y) ** 2)
+
+    kernel = jax.random.normal(jax.random.key(0), (4, 3, 3, 3)) / 5
+    x = jax.random.normal(jax.random.key(1), (2, 3, 8, 8))
+    auto = lossscale.autocast(f)
+    jaxpr = jax.make_jaxpr(jax.grad(auto))(kernel, x)
+    convs = operand_dtypes(jaxpr, "conv_general_dilated")
+    assert len(convs) >= 2 and set(convs) == {(F16, F16)}  # fwd, bwd
+    value, pullback = jax.vjp(auto, kernel, x)
+    (g_kernel, g_x) = pullback(jnp.ones_like(value))
+    assert (g_kernel.dtype, g_x.dtype) == (F32, F32)
+    np.testing.assert_allclose(
+        g_kernel, jax.grad(f)(kernel, x), rtol=2e-2, atol=1e-3
+    )
+
+
 def test_gradients_are_float32_with_the_params_structure(mlp):
     params, x = mlp
     grads = jax.grad(lossscale.autocast(mlp_loss))(params, x)
@@ -623,6 +642,47 @@ def test_flax_nnx_state_updated_inside_is_written_back():
     # The dropout stream advanced as it does without autocast: the same
     # masks were drawn, so the losses agree.
     assert float(v_auto) == pytest.approx(float(v_plain), rel=2e-2)
+
+
+def test_flax_nnx_scan_and_remat_over_stacked_layers():
+    from flax import nnx
+
+    class Layer(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(8, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return x + jnp.tanh(self.lin(x))
+
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return Layer(rngs)
+
+    layers = make(nnx.Rngs(0))
+    x = jnp.ones((2, 8))
+
+    def loss(layers, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        @nnx.remat
+        def through(h, layer):
+            return layer(h)
+
+        return jnp.mean(through(x, layers) ** 2)
+
+    graphdef, state = nnx.split(layers)
+
+    def on_state(state, x):
+        return loss(nnx.merge(graphdef, state), x)
+
+    auto = lossscale.autocast(on_state)
+    jaxpr = jax.make_jaxpr(jax.grad(auto))(state, x)
+    seen = operand_dtypes(jaxpr, "dot_general")
+    assert seen and set(seen) == {(F16, F16)}
+    assert any(e.primitive.name.startswith("remat") for e in equations(jaxpr))
+    assert float(auto(state, x)) == pytest.approx(
+        float(on_state(state, x)), rel=2e-2
+    )
 
 
 def test_flax_layers_that_promote_to_float32_still_compute_in_float16():
