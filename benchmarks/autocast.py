@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import optax
 
 import lossscale
-from lossscale import _demo_gpt as gpt
+from lossscale.demo import _gpt as gpt
 
 VARIANTS = ("float32", "hand-cast float16", "autocast float16")
 

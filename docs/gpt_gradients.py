@@ -20,9 +20,9 @@ import numpy as np
 from flax import nnx
 
 import lossscale
-from lossscale import _demo_common as common
-from lossscale import _demo_gpt as gpt
-from lossscale import _demo_text as text
+from lossscale.demo import _common as common
+from lossscale.demo import _gpt as gpt
+from lossscale.demo import _text as text
 
 SNAPSHOTS = (12, gpt.STEPS)
 SCALE = 2.0**16

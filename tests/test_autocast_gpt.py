@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import lossscale
-from lossscale import _demo_gpt as gpt
+from lossscale.demo import _gpt as gpt
 
 nnx = pytest.importorskip("flax.nnx")
 

@@ -7,7 +7,9 @@ import sys
 import numpy as np
 import pytest
 
-from lossscale import _demo_gpt, _demo_text, demo
+from lossscale import demo
+from lossscale.demo import _gpt as _demo_gpt
+from lossscale.demo import _text as _demo_text
 
 pytestmark = pytest.mark.standard_promotion
 

@@ -3,7 +3,7 @@
 A GPT-2-style decoder in flax NNX (pre-LayerNorm blocks of causal
 self-attention and a GELU MLP, learned positions, tied input and output
 embeddings) trained on the Python standard library's source (see
-:mod:`lossscale._demo_text`) in six modes:
+:mod:`lossscale.demo._text`) in six modes:
 
 1. ``f32``: float32 compute (the reference);
 2. ``f16``: :func:`lossscale.autocast` to float16 (float32 master
@@ -36,9 +36,9 @@ import numpy as np
 import optax
 
 import lossscale
-from lossscale import _demo_common as common
-from lossscale import _demo_text as text
-from lossscale._demo_common import Result, require
+from lossscale.demo import _common as common
+from lossscale.demo import _text as text
+from lossscale.demo._common import Result, require
 
 MODES = ("f32", "f16", "static", "dynamic", "bf16", "hand")
 STEPS = 300

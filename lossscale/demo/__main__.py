@@ -1,0 +1,5 @@
+"""``python -m lossscale.demo``."""
+
+from lossscale.demo import main
+
+main()
