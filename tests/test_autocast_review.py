@@ -1,0 +1,81 @@
+"""lossscale.autocast under models and functions it was not written with.
+
+A second look at autocast from users' setups: flax and equinox built-in
+layers, jax.nn and optax functions, PRNG keys, float64. Each test states
+what broke (or could have) and checks it against the same function
+without autocast.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lossscale
+
+F32 = np.dtype(np.float32)
+
+
+# --- flax NNX: state written back for models with any submodules ---------
+
+
+def _nnx_model_with_attention():
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            # MultiHeadAttention has a submodule named `value`: it must not
+            # be taken for a Variable (whose array is `.value`).
+            self.att = nnx.MultiHeadAttention(
+                num_heads=2, in_features=4, decode=False, rngs=rngs
+            )
+            self.bn = nnx.BatchNorm(4, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(self.bn(self.att(x)))
+
+    return Model
+
+
+@pytest.mark.standard_promotion
+def test_nnx_state_is_written_back_in_a_model_with_attention():
+    from flax import nnx
+
+    model_cls = _nnx_model_with_attention()
+    x = jax.random.normal(jax.random.key(1), (2, 3, 4))
+
+    def loss(model, x):
+        return jnp.mean(model(x) ** 2)
+
+    plain, auto = model_cls(nnx.Rngs(0)), model_cls(nnx.Rngs(0))
+    for _ in range(2):
+        v_plain, _ = nnx.value_and_grad(loss)(plain, x)
+        v_auto, _ = nnx.value_and_grad(lossscale.autocast(loss))(auto, x)
+    # BatchNorm's running mean moved (as without autocast) ...
+    assert float(jnp.abs(auto.bn.mean[...]).max()) > 0
+    np.testing.assert_allclose(
+        auto.bn.mean[...], plain.bn.mean[...], rtol=2e-2, atol=1e-4
+    )
+    # ... and the dropout stream advanced: the second step drew the
+    # plain model's second mask, not its first one again.
+    assert float(v_auto) == pytest.approx(float(v_plain), rel=2e-2)
+
+
+@pytest.mark.standard_promotion
+def test_nnx_rngs_passed_as_an_argument_advance():
+    from flax import nnx
+
+    def noise(rngs, x):
+        return x + jax.random.normal(rngs.dropout(), x.shape)
+
+    x = jnp.zeros((3,))
+    plain, auto = nnx.Rngs(dropout=0), nnx.Rngs(dropout=0)
+    f = lossscale.autocast(noise)
+    first_plain, first_auto = noise(plain, x), f(auto, x)
+    second_plain, second_auto = noise(plain, x), f(auto, x)
+    np.testing.assert_array_equal(first_auto, first_plain)
+    np.testing.assert_array_equal(second_auto, second_plain)
+    assert not np.array_equal(second_auto, first_auto)  # negative control
