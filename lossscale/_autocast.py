@@ -379,6 +379,11 @@ def _input_class(ctx: _Ctx, x: Any) -> str:
 
 
 def _cast(x: Any, dtype: Any) -> Any:
+    # Compared before np.dtype, which refuses extended dtypes: a PRNG key
+    # the function returns (or an NNX RngKey written back) is cast to its
+    # own dtype, which is no cast at all.
+    if _dtype(x) == dtype:
+        return x
     dtype = np.dtype(dtype)
     if _dtype(x) == dtype:
         return x

@@ -79,3 +79,28 @@ def test_nnx_rngs_passed_as_an_argument_advance():
     np.testing.assert_array_equal(first_auto, first_plain)
     np.testing.assert_array_equal(second_auto, second_plain)
     assert not np.array_equal(second_auto, first_auto)  # negative control
+
+
+# --- PRNG keys in the outputs ----------------------------------------------
+
+
+def test_a_prng_key_can_be_returned():
+    # A loss that hands back the next key (in its aux, say) is common.
+    def loss(w, key):
+        key, sub = jax.random.split(key)
+        noise = jax.random.normal(sub, w.shape)
+        return jnp.mean((w + noise) @ w), key
+
+    w, key = jnp.ones((3, 3)), jax.random.key(0)
+    value, new_key = lossscale.autocast(loss)(w, key)
+    expected_value, expected_key = loss(w, key)
+    assert new_key.dtype == expected_key.dtype
+    np.testing.assert_array_equal(
+        jax.random.key_data(new_key), jax.random.key_data(expected_key)
+    )
+    assert value.dtype == F32
+    assert float(value) == pytest.approx(float(expected_value), rel=1e-2)
+    (_, aux_key), grads = jax.value_and_grad(
+        lossscale.autocast(loss), has_aux=True
+    )(w, key)
+    assert aux_key.dtype == expected_key.dtype and grads.dtype == F32
