@@ -104,3 +104,22 @@ def test_a_prng_key_can_be_returned():
         lossscale.autocast(loss), has_aux=True
     )(w, key)
     assert aux_key.dtype == expected_key.dtype and grads.dtype == F32
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a closed-over NNX model's Variables belong to the outer trace: "
+    "flax refuses their update inside autocast's trace (TraceContextError); "
+    "the docs' 'called inside' example only works for stateless models",
+)
+@pytest.mark.standard_promotion
+def test_nnx_model_with_dropout_closed_over_as_in_the_docs():
+    from flax import nnx
+
+    model = nnx.Sequential(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
+    model.layers.append(nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1)))
+    x = jnp.ones((2, 4))
+    loss, _ = nnx.value_and_grad(
+        lambda m: lossscale.autocast(lambda x: jnp.mean(m(x) ** 2))(x)
+    )(model)
+    assert loss.dtype == F32
