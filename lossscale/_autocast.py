@@ -546,6 +546,14 @@ def _equation(
         rule = ctx.rules[function]
         if rule == "float32" or rule == "original":
             return _original(ctx, eqn, invals)
+        if name in _RECURSIONS:
+            # "compute" and "promote" are primitives' rules: a call cannot
+            # be bound at other dtypes than its jaxpr's, so a function that
+            # shares a primitive's name (jnp.round is a jit named "round")
+            # is evaluated with the rules, as any call is.
+            return _RECURSIONS[name](ctx, eqn, invals, eqn in widened)
+        if _compat.function_jaxpr(eqn) is not None:
+            return _original(ctx, eqn, invals)  # custom_vjp: run whole
     elif name in _RECURSIONS:
         return _RECURSIONS[name](ctx, eqn, invals, eqn in widened)
     if name == "convert_element_type":

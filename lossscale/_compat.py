@@ -261,7 +261,7 @@ def function_name(eqn: Any) -> str | None:
     name = eqn.params.get("name")
     if isinstance(name, str):
         return name
-    closed = eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+    closed = function_jaxpr(eqn)
     info = getattr(getattr(closed, "jaxpr", None), "debug_info", None)
     func_name = getattr(info, "func_name", None)
     if isinstance(func_name, str):
@@ -270,6 +270,12 @@ def function_name(eqn: Any) -> str | None:
     if isinstance(src, str) and src:
         return src.split(" ")[0]
     return None
+
+
+def function_jaxpr(eqn: Any) -> Any:
+    """The jaxpr of a ``custom_jvp_call``'s or ``custom_vjp_call``'s
+    function (else ``None``)."""
+    return eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
 
 
 def call_jaxpr(eqn: Any) -> Any:

@@ -123,3 +123,54 @@ def test_nnx_model_with_dropout_closed_over_as_in_the_docs():
         lambda m: lossscale.autocast(lambda x: jnp.mean(m(x) ** 2))(x)
     )(model)
     assert loss.dtype == F32
+
+
+# --- functions that share a primitive's name -------------------------------
+
+
+def _tanh_vjp():
+    @jax.custom_vjp
+    def tanh(x):  # a user's function named like a "compute" primitive
+        return jnp.tanh(x)
+
+    tanh.defvjp(
+        lambda x: (jnp.tanh(x), x), lambda x, g: (g / jnp.cosh(x) ** 2,)
+    )
+    return tanh
+
+
+@pytest.mark.parametrize(
+    "name", ["jnp.round", "jit add", "jit tanh", "custom_vjp tanh"]
+)
+def test_a_function_named_like_a_primitive_is_not_bound_at_other_dtypes(
+    name,
+):
+    # jnp.round(x, decimals) is a jax.jit named "round": its name is in the
+    # rules table (a "promote" primitive), and binding the call itself with
+    # float16 operands ran a float32 program on float16 buffers.
+    @jax.jit
+    def add(a, b):
+        return a + b
+
+    @jax.jit
+    def tanh(a):
+        return jnp.tanh(a)
+
+    inner = {
+        "jnp.round": lambda h: jnp.round(h, 2),
+        "jit add": lambda h: add(h, h),
+        "jit tanh": tanh,
+        "custom_vjp tanh": _tanh_vjp(),
+    }[name]
+
+    def loss(w, x):
+        return jnp.mean(inner(x @ w) @ w)
+
+    w = jax.random.normal(jax.random.key(0), (8, 8)) / 3
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    value, grads = jax.jit(jax.value_and_grad(lossscale.autocast(loss)))(w, x)
+    eager = lossscale.autocast(loss)(w, x)
+    expected, expected_grads = jax.value_and_grad(loss)(w, x)
+    assert value.dtype == eager.dtype == grads.dtype == F32
+    assert float(value) == pytest.approx(float(expected), rel=2e-2, abs=2e-3)
+    np.testing.assert_allclose(grads, expected_grads, rtol=5e-2, atol=5e-3)
