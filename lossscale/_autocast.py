@@ -367,6 +367,10 @@ def _is_float(dtype: Any) -> bool:
 
 def _input_class(ctx: _Ctx, x: Any) -> str:
     dtype = _dtype(x)
+    if isinstance(x, np.ndarray | np.generic):
+        # JAX reads a NumPy array in its own dtype for it: a float64 batch
+        # (what data loaders give) is float32 unless x64 is enabled.
+        dtype = jax.typeof(x).dtype
     if not _is_float(dtype) or np.dtype(dtype).itemsize > 4:
         return KEEP
     if getattr(jax.typeof(x), "weak_type", False):

@@ -174,3 +174,40 @@ def test_a_function_named_like_a_primitive_is_not_bound_at_other_dtypes(
     assert value.dtype == eager.dtype == grads.dtype == F32
     assert float(value) == pytest.approx(float(expected), rel=2e-2, abs=2e-3)
     np.testing.assert_allclose(grads, expected_grads, rtol=5e-2, atol=5e-3)
+
+
+# --- NumPy inputs ------------------------------------------------------------
+
+
+def _dot_dtypes(jaxpr):
+    found = []
+    for eqn in jaxpr.jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(tuple(np.dtype(v.aval.dtype) for v in eqn.invars))
+    return found
+
+
+def test_a_numpy_float64_batch_is_read_as_the_float32_jax_makes_it():
+    # Data loaders hand out NumPy float64 arrays; JAX (x64 off) reads them
+    # as float32. autocast classed them by their NumPy dtype as float64,
+    # "never touched": the first matmul ran in float32, forward and back.
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(x @ w) @ w)
+
+    w = jnp.full((4, 4), 0.1)
+    batch = np.random.default_rng(0).standard_normal((8, 4))
+    assert batch.dtype == np.float64
+    f16 = np.dtype(jnp.float16)
+    jaxpr = jax.make_jaxpr(
+        jax.grad(lambda w: lossscale.autocast(loss)(w, batch))
+    )(w)
+    assert _dot_dtypes(jaxpr) and set(_dot_dtypes(jaxpr)) == {(f16, f16)}
+    value = lossscale.autocast(loss)(w, batch)  # eagerly
+    assert value.dtype == F32
+    assert float(value) == pytest.approx(float(loss(w, batch)), rel=1e-2)
+    # Negative control: with x64 on, float64 is float64, never touched.
+    with lossscale._compat.enable_x64():
+        jaxpr = jax.make_jaxpr(
+            lossscale.autocast(lambda x: jnp.sum(jnp.tanh(x @ x.T)))
+        )(batch)
+    assert set(_dot_dtypes(jaxpr)) == {(np.dtype(np.float64),) * 2}
