@@ -814,6 +814,18 @@ def _scan(ctx: _Ctx, eqn: Any, invals: list[_Val], widened: bool) -> list[_Val]:
 
     def probe(classes: list[str]) -> list[str]:
         record: dict[str, Any] = {}
+        if p["length"] == 0:
+            # An empty scan has no slice to take: its body is traced on
+            # the shape of one.
+            jax.eval_shape(
+                body_fn(classes, record),
+                carry_in(classes),
+                [
+                    jax.ShapeDtypeStruct(jnp.shape(v.x)[1:], _dtype(v.x))
+                    for v in xs
+                ],
+            )
+            return record["carry"]
         jax.eval_shape(
             # One iteration's slices, taken inside the trace of the probe.
             lambda c, x: body_fn(classes, record)(c, [xi[0] for xi in x]),

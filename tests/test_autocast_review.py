@@ -211,3 +211,19 @@ def test_a_numpy_float64_batch_is_read_as_the_float32_jax_makes_it():
             lossscale.autocast(lambda x: jnp.sum(jnp.tanh(x @ x.T)))
         )(batch)
     assert set(_dot_dtypes(jaxpr)) == {(np.dtype(np.float64),) * 2}
+
+
+# --- loops ----------------------------------------------------------------
+
+
+def test_a_scan_over_no_layers():
+    # A stack configured with no layers (or an empty sequence): the probe
+    # of the carry's dtype indexed the first slice, which does not exist.
+    def loss(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+        return jnp.mean(h)
+
+    ws, x = jnp.ones((0, 4, 4)), jnp.full((2, 4), 0.5)
+    value, grads = jax.value_and_grad(lossscale.autocast(loss))(ws, x)
+    assert value.dtype == F32 and float(value) == 0.5
+    assert grads.shape == (0, 4, 4) and grads.dtype == F32
