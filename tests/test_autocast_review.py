@@ -227,3 +227,126 @@ def test_a_scan_over_no_layers():
     value, grads = jax.value_and_grad(lossscale.autocast(loss))(ws, x)
     assert value.dtype == F32 and float(value) == 0.5
     assert grads.shape == (0, 4, 4) and grads.dtype == F32
+
+
+# --- functions and layers from libraries, against float32 -------------------
+
+
+def _target(shape):
+    return jax.random.normal(jax.random.key(2), shape)
+
+
+_LOSSES = {
+    "softmax where=": lambda h: jnp.sum(
+        _target(h.shape) * jax.nn.softmax(h, where=jnp.arange(8) < 5)
+    ),
+    "causal -inf mask": lambda h: jnp.sum(
+        _target((4, 4))
+        * jax.nn.softmax(
+            jnp.where(jnp.tril(jnp.ones((4, 4), bool)), h @ h.T, -jnp.inf)
+        )
+    ),
+    "logsumexp": lambda h: jnp.mean(jax.nn.logsumexp(h, axis=-1)),
+    "gelu exact, silu": lambda h: jnp.mean(
+        jax.nn.gelu(jax.nn.silu(h), approximate=False)
+    ),
+    "norm, var, std": lambda h: (
+        jnp.linalg.norm(h)
+        + jnp.mean(jnp.var(h, axis=-1))
+        + jnp.mean(jnp.std(h, axis=0))
+    ),
+    "einsum": lambda h: jnp.mean(jnp.einsum("bi,bj->ij", h, h)),
+    "fori_loop, static bounds": lambda h: jnp.mean(
+        jax.lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c) * 0.9, h)
+    ),
+    "lax.map": lambda h: jnp.mean(jax.lax.map(jnp.tanh, h)),
+    "sort": lambda h: jnp.mean(jnp.sort(h, axis=-1)[:, -3:]),
+    "dot_product_attention": lambda h: jnp.mean(
+        jax.nn.dot_product_attention(
+            h.reshape(1, 4, 2, 4),
+            h.reshape(1, 4, 2, 4),
+            h.reshape(1, 4, 2, 4),
+            is_causal=True,
+        )
+        ** 2
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(_LOSSES))
+def test_library_functions_match_float32_with_float16_matmuls(name):
+    import optax
+
+    def loss(w, x):
+        h = x @ w
+        value = _LOSSES[name](h)
+        return value + jnp.mean(
+            optax.softmax_cross_entropy_with_integer_labels(
+                h, jnp.arange(4) % 8
+            )
+        )
+
+    w = jax.random.normal(jax.random.key(0), (8, 8)) / 3
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    f16_loss = lossscale.autocast(loss)
+    value, grads = jax.jit(jax.value_and_grad(f16_loss))(w, x)
+    expected, expected_grads = jax.value_and_grad(loss)(w, x)
+    assert value.dtype == grads.dtype == F32
+    assert float(value) == pytest.approx(float(expected), rel=1e-2, abs=1e-3)
+    scale = float(jnp.max(jnp.abs(expected_grads)))
+    np.testing.assert_allclose(grads, expected_grads, atol=1e-2 * scale)
+    f16 = np.dtype(jnp.float16)
+    found = _dot_dtypes(jax.make_jaxpr(jax.grad(f16_loss))(w, x))
+    assert found and set(found) == {(f16, f16)}
+
+
+@pytest.mark.standard_promotion
+def test_linen_conv_batchnorm_dropout_with_mutable_batch_stats():
+    import flax.linen as nn
+    import optax
+
+    class CNN(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(
+                nn.BatchNorm(use_running_average=False)(nn.Conv(4, (3, 3))(x))
+            )
+            x = nn.Dropout(0.1, deterministic=False)(x)
+            return nn.Dense(3)(x.reshape(x.shape[0], -1))
+
+    model = CNN()
+    x = jax.random.normal(jax.random.key(0), (2, 5, 5, 3))
+    variables = model.init(
+        {"params": jax.random.key(1), "dropout": jax.random.key(2)}, x
+    )
+
+    def loss(params, x):
+        logits, updates = model.apply(
+            {"params": params, "batch_stats": variables["batch_stats"]},
+            x,
+            rngs={"dropout": jax.random.key(3)},
+            mutable=["batch_stats"],
+        )
+        labels = jnp.arange(2)
+        return jnp.mean(
+            optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        ), updates
+
+    (value, stats), grads = jax.value_and_grad(
+        lossscale.autocast(loss), has_aux=True
+    )(variables["params"], x)
+    (expected, expected_stats), expected_grads = jax.value_and_grad(
+        loss, has_aux=True
+    )(variables["params"], x)
+    assert float(value) == pytest.approx(float(expected), rel=1e-2)
+    for got, want in zip(
+        jax.tree.leaves(stats), jax.tree.leaves(expected_stats), strict=True
+    ):
+        assert got.dtype == F32
+        np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-4)
+    np.testing.assert_allclose(
+        grads["Dense_0"]["kernel"],
+        expected_grads["Dense_0"]["kernel"],
+        rtol=2e-2,
+        atol=2e-3,
+    )
