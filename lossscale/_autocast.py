@@ -709,8 +709,18 @@ def _convert(ctx: _Ctx, eqn: Any, invals: Sequence[_Val]) -> list[_Val]:
 def _call_primitive(
     ctx: _Ctx, eqn: Any, invals: list[_Val], widened: bool
 ) -> list[_Val]:
-    """``jit`` and other calls: their jaxpr is evaluated inline."""
+    """``jit`` and other calls: their jaxpr is evaluated inline.
+
+    The shardings a ``jax.jit`` was given (``in_shardings``,
+    ``out_shardings``) under automatic mesh axes are kept as sharding
+    constraints, which is what they are once the call is inlined.
+    """
     closed = _compat.call_jaxpr(eqn)
+    in_shardings, out_shardings = _compat.auto_call_shardings(eqn)
+    invals = [
+        v if s is None else _Val(lax.with_sharding_constraint(v.x, s), v.cls)
+        for v, s in zip(invals, in_shardings, strict=True)
+    ]
     outs = _evaluate(
         ctx,
         closed.jaxpr,
@@ -718,7 +728,10 @@ def _call_primitive(
         invals,
         out_widened=[widened] * len(closed.jaxpr.outvars),
     )
-    return outs
+    return [
+        v if s is None else _Val(lax.with_sharding_constraint(v.x, s), v.cls)
+        for v, s in zip(outs, out_shardings, strict=True)
+    ]
 
 
 # Loop carries and branch outputs take one class: the join of what enters

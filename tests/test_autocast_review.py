@@ -350,3 +350,42 @@ def test_linen_conv_batchnorm_dropout_with_mutable_batch_stats():
         rtol=2e-2,
         atol=2e-3,
     )
+
+
+# --- sharding of inner jax.jit calls -----------------------------------------
+
+
+def test_an_inner_jit_keeps_its_shardings_under_auto_axes():
+    # autocast inlines a jax.jit called inside fun; the in_shardings and
+    # out_shardings it was given were dropped with it, so its results
+    # came out replicated instead of sharded as the user asked.
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = jax.make_mesh(
+        (2,),
+        ("d",),
+        axis_types=(jax.sharding.AxisType.Auto,),
+        devices=jax.devices()[:2],
+    )
+    rows = NamedSharding(mesh, PartitionSpec("d"))
+    cols = NamedSharding(mesh, PartitionSpec(None, "d"))
+    inner = jax.jit(jnp.tanh, in_shardings=cols, out_shardings=rows)
+
+    def f(w, x):
+        return inner(x @ w)
+
+    w, x = jnp.full((4, 4), 0.1), jnp.ones((8, 4))
+    plain = jax.jit(f)(w, x)
+    auto = jax.jit(lossscale.autocast(f))(w, x)
+    assert plain.sharding.spec == PartitionSpec("d")  # negative control
+    assert auto.sharding.is_equivalent_to(plain.sharding, plain.ndim)
+    jaxpr = jax.make_jaxpr(lossscale.autocast(f))(w, x)
+    constraints = [
+        eqn.params["sharding"]
+        for eqn in jaxpr.jaxpr.eqns
+        if eqn.primitive.name == "sharding_constraint"
+    ]
+    assert constraints == [cols, rows]
+    np.testing.assert_allclose(auto, plain, rtol=1e-2)
+    grads = jax.jit(jax.grad(lambda w: jnp.sum(lossscale.autocast(f)(w, x))))(w)
+    assert grads.dtype == F32
