@@ -343,7 +343,12 @@ def _call(
         dtype = _aval(aval).dtype
         if out_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
             dtype = out_dtype
-        results.append(_cast(val.x, dtype))
+        x = val.x
+        if not isinstance(x, jax.Array):
+            # A constant output is a literal of the jaxpr (jax's own int
+            # and float subclasses): an array, as jax.jit returns it.
+            x = jnp.asarray(x)
+        results.append(_cast(x, dtype))
     for j, val in zip(record["changed"], outs[n_out:], strict=True):
         _interop.set_variable(
             holders[dynamic[j]], _cast(val.x, _dtype(arrays[j]))

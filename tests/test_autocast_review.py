@@ -389,3 +389,30 @@ def test_an_inner_jit_keeps_its_shardings_under_auto_axes():
     np.testing.assert_allclose(auto, plain, rtol=1e-2)
     grads = jax.jit(jax.grad(lambda w: jnp.sum(lossscale.autocast(f)(w, x))))(w)
     assert grads.dtype == F32
+
+
+# --- constant outputs --------------------------------------------------------
+
+
+def test_constant_outputs_come_back_as_arrays_as_from_jit():
+    # A constant the function returns (a count in its aux, a flag in an
+    # equinox State) is a literal of the traced jaxpr: it came back as
+    # jax's internal TypedInt/TypedFloat (or a NumPy array with
+    # output_dtype), where jax.jit returns arrays.
+    def f(w):
+        return jnp.mean(w), 3, 1.5, False
+
+    w = jnp.ones(3)
+    expected = jax.jit(f)(w)
+    for got in (
+        lossscale.autocast(f)(w),
+        lossscale.autocast(f, output_dtype=jnp.float16)(w),
+    ):
+        assert all(isinstance(x, jax.Array) for x in got)
+        assert got[1].dtype == expected[1].dtype
+        assert got[3].dtype == expected[3].dtype == np.dtype(bool)
+        assert [x.tolist() for x in got[1:]] == [3, 1.5, False]
+    assert lossscale.autocast(f)(w)[2].dtype == F32
+    assert lossscale.autocast(f, output_dtype=jnp.float16)(w)[2].dtype == (
+        np.dtype(jnp.float16)
+    )
