@@ -342,7 +342,12 @@ def _call(
         dtype = _aval(aval).dtype
         if out_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
             dtype = out_dtype
-        results.append(_cast(val.x, dtype))
+        x = val.x
+        if not isinstance(x, jax.Array):
+            # A constant output is a literal of the jaxpr (jax's own int
+            # and float subclasses): an array, as jax.jit returns it.
+            x = jnp.asarray(x)
+        results.append(_cast(x, dtype))
     for j, val in zip(record["changed"], outs[n_out:], strict=True):
         _interop.set_variable(
             holders[dynamic[j]], _cast(val.x, _dtype(arrays[j]))
@@ -366,6 +371,10 @@ def _is_float(dtype: Any) -> bool:
 
 def _input_class(ctx: _Ctx, x: Any) -> str:
     dtype = _dtype(x)
+    if isinstance(x, np.ndarray | np.generic):
+        # JAX reads a NumPy array in its own dtype for it: a float64 batch
+        # (what data loaders give) is float32 unless x64 is enabled.
+        dtype = jax.typeof(x).dtype
     if not _is_float(dtype) or np.dtype(dtype).itemsize > 4:
         return KEEP
     if getattr(jax.typeof(x), "weak_type", False):
@@ -378,6 +387,11 @@ def _input_class(ctx: _Ctx, x: Any) -> str:
 
 
 def _cast(x: Any, dtype: Any) -> Any:
+    # Compared before np.dtype, which refuses extended dtypes: a PRNG key
+    # the function returns (or an NNX RngKey written back) is cast to its
+    # own dtype, which is no cast at all.
+    if _dtype(x) == dtype:
+        return x
     dtype = np.dtype(dtype)
     if _dtype(x) == dtype:
         return x
@@ -540,6 +554,14 @@ def _equation(
         rule = ctx.rules[function]
         if rule == "float32" or rule == "original":
             return _original(ctx, eqn, invals)
+        if name in _RECURSIONS:
+            # "compute" and "promote" are primitives' rules: a call cannot
+            # be bound at other dtypes than its jaxpr's, so a function that
+            # shares a primitive's name (jnp.round is a jit named "round")
+            # is evaluated with the rules, as any call is.
+            return _RECURSIONS[name](ctx, eqn, invals, eqn in widened)
+        if _compat.function_jaxpr(eqn) is not None:
+            return _original(ctx, eqn, invals)  # custom_vjp: run whole
     elif name in _RECURSIONS:
         try:
             return _RECURSIONS[name](ctx, eqn, invals, eqn in widened)
@@ -704,8 +726,18 @@ def _convert(ctx: _Ctx, eqn: Any, invals: Sequence[_Val]) -> list[_Val]:
 def _call_primitive(
     ctx: _Ctx, eqn: Any, invals: list[_Val], widened: bool
 ) -> list[_Val]:
-    """``jit`` and other calls: their jaxpr is evaluated inline."""
+    """``jit`` and other calls: their jaxpr is evaluated inline.
+
+    The shardings a ``jax.jit`` was given (``in_shardings``,
+    ``out_shardings``) under automatic mesh axes are kept as sharding
+    constraints, which is what they are once the call is inlined.
+    """
     closed = _compat.call_jaxpr(eqn)
+    in_shardings, out_shardings = _compat.auto_call_shardings(eqn)
+    invals = [
+        v if s is None else _Val(lax.with_sharding_constraint(v.x, s), v.cls)
+        for v, s in zip(invals, in_shardings, strict=True)
+    ]
     outs = _evaluate(
         ctx,
         closed.jaxpr,
@@ -713,7 +745,10 @@ def _call_primitive(
         invals,
         out_widened=[widened] * len(closed.jaxpr.outvars),
     )
-    return outs
+    return [
+        v if s is None else _Val(lax.with_sharding_constraint(v.x, s), v.cls)
+        for v, s in zip(outs, out_shardings, strict=True)
+    ]
 
 
 # Loop carries and branch outputs take one class: the join of what enters
@@ -809,6 +844,18 @@ def _scan(ctx: _Ctx, eqn: Any, invals: list[_Val], widened: bool) -> list[_Val]:
 
     def probe(classes: list[str]) -> list[str]:
         record: dict[str, Any] = {}
+        if p["length"] == 0:
+            # An empty scan has no slice to take: its body is traced on
+            # the shape of one.
+            jax.eval_shape(
+                body_fn(classes, record),
+                carry_in(classes),
+                [
+                    jax.ShapeDtypeStruct(jnp.shape(v.x)[1:], _dtype(v.x))
+                    for v in xs
+                ],
+            )
+            return record["carry"]
         jax.eval_shape(
             # One iteration's slices, taken inside the trace of the probe.
             lambda c, x: body_fn(classes, record)(c, [xi[0] for xi in x]),

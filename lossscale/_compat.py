@@ -271,7 +271,7 @@ def function_name(eqn: Any) -> str | None:
     name = eqn.params.get("name")
     if isinstance(name, str):
         return name
-    closed = eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+    closed = function_jaxpr(eqn)
     info = getattr(getattr(closed, "jaxpr", None), "debug_info", None)
     func_name = getattr(info, "func_name", None)
     if isinstance(func_name, str):
@@ -280,6 +280,36 @@ def function_name(eqn: Any) -> str | None:
     if isinstance(src, str) and src:
         return src.split(" ")[0]
     return None
+
+
+def function_jaxpr(eqn: Any) -> Any:
+    """The jaxpr of a ``custom_jvp_call``'s or ``custom_vjp_call``'s
+    function (else ``None``)."""
+    return eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+
+
+def auto_call_shardings(
+    eqn: Any,
+) -> tuple[list[Any | None], list[Any | None]]:
+    """A call's ``in_shardings`` and ``out_shardings``, one per operand and
+    result: a ``Sharding`` given to ``jax.jit`` on a mesh whose axes are
+    all ``Auto`` (which inlining turns into sharding constraints), else
+    ``None`` (unspecified, or explicit axes, whose types carry them)."""
+    auto = jax.sharding.AxisType.Auto
+
+    def keep(s: Any) -> Any | None:
+        if not isinstance(s, jax.sharding.NamedSharding):
+            return None
+        types = getattr(s.mesh, "axis_types", ())
+        return s if all(t == auto for t in types) else None
+
+    n_in, n_out = len(eqn.invars), len(eqn.outvars)
+    ins = tuple(eqn.params.get("in_shardings", ()) or ())
+    outs = tuple(eqn.params.get("out_shardings", ()) or ())
+    return (
+        [keep(s) for s in ins] if len(ins) == n_in else [None] * n_in,
+        [keep(s) for s in outs] if len(outs) == n_out else [None] * n_out,
+    )
 
 
 def call_jaxpr(eqn: Any) -> Any:

@@ -23,6 +23,14 @@ def _is_variable(x: Any) -> bool:
     # get_value() (flax >= 0.12) or as .value (flax 0.11).
     if isinstance(x, jax.Array):
         return False
+    # A flax object is only there if flax.nnx is imported; its class then
+    # decides. Duck typing alone takes a module with an attribute `value`
+    # (nnx.MultiHeadAttention's value projection) or nnx.Rngs (any
+    # attribute is a stream) for a Variable.
+    nnx = sys.modules.get("flax.nnx")
+    variable = getattr(nnx, "Variable", None)
+    if isinstance(variable, type) and type(x).__module__.startswith("flax."):
+        return isinstance(x, variable)
     if callable(getattr(x, "get_value", None)):
         return True
     return type(x).__module__.startswith("flax.") and hasattr(x, "value")
