@@ -40,7 +40,7 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -374,7 +374,7 @@ def _input_class(ctx: _Ctx, x: Any) -> str:
     if isinstance(x, np.ndarray | np.generic):
         # JAX reads a NumPy array in its own dtype for it: a float64 batch
         # (what data loaders give) is float32 unless x64 is enabled.
-        dtype = jax.typeof(x).dtype
+        dtype = cast(Any, jax.typeof(x)).dtype
     if not _is_float(dtype) or np.dtype(dtype).itemsize > 4:
         return KEEP
     if getattr(jax.typeof(x), "weak_type", False):
@@ -681,7 +681,7 @@ def _float32(ctx: _Ctx, eqn: Any, invals: Sequence[_Val]) -> list[_Val]:
                 vals[i] = _Val(x, invals[i].cls)
             return [v.x for v in _bind(ctx, eqn, vals, _F32, out_cls)]
 
-        outs = jax.checkpoint(island, prevent_cse=False)(
+        outs = _compat.checkpoint(island, prevent_cse=False)(
             *[invals[i].x for i in positions]
         )
         return [_Val(x, out_cls) for x in outs]
@@ -1014,9 +1014,9 @@ def _checkpoint(
         record["out"] = [v.cls for v in outs]
         return [v.x for v in outs]
 
-    outs = jax.checkpoint(fn, prevent_cse=p["prevent_cse"], policy=p["policy"])(
-        *[v.x for v in invals]
-    )
+    outs = _compat.checkpoint(
+        fn, prevent_cse=p["prevent_cse"], policy=p["policy"]
+    )(*[v.x for v in invals])
     return [_Val(x, k) for x, k in zip(outs, record["out"], strict=True)]
 
 
@@ -1135,7 +1135,7 @@ def _shard_map(
         axis_names=_compat.shard_map_axes(p),
         check_vma=p["check_vma"],
     )
-    outs = mapped(*[v.x for v in invals])
+    outs = cast(list[Any], mapped(*[v.x for v in invals]))
     return [_Val(x, k) for x, k in zip(outs, record["out"], strict=True)]
 
 

@@ -380,6 +380,13 @@ def shard_map_axes(params: dict[str, Any]) -> frozenset[Any]:
     return frozenset(params["mesh"].axis_names)  # pragma: no cover
 
 
+def checkpoint(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+    """``jax.checkpoint(fun, **options)``."""
+    # jax 0.7's stubs do not re-export jax.checkpoint (pyright checks
+    # against the installed JAX); it is there, and public, on every one.
+    return jax.checkpoint(fun, **options)  # pyright: ignore[reportPrivateImportUsage]
+
+
 # --- shims for the tests, examples and benchmarks --------------------------
 
 

@@ -156,7 +156,8 @@ def test_composes_with_value_and_grad(mlp):
     value, grads = jax.jit(step)(params, state, x)
     seen = dots(lambda p: step(p, state, x), params)
     assert value.dtype == F32
-    assert float(value) == float(loss(params, x))  # unscaled, same pass
+    # The unscaled loss (one rounding of a differently fused program off).
+    assert float(value) == pytest.approx(float(loss(params, x)), rel=1e-6)
     np.testing.assert_allclose(
         grads["w1"] / 2.0**8,
         jax.grad(loss)(params, x)["w1"],

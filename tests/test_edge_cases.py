@@ -135,7 +135,9 @@ def _export(on_min_scale):
     params = jnp.ones(2)
     state = tx.init(params)
     step = jax.jit(lambda g, s: tx.update(g, s, params))
-    return jax.export.export(step)(params, state), state
+    from jax import export  # a submodule to import on jax 0.7
+
+    return export.export(step)(params, state), state
 
 
 def test_export_with_on_min_scale_error_fails_as_documented():

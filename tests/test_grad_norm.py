@@ -4,6 +4,8 @@ With a power-of-two scale the unscaled gradients are exact, so the norm is
 the plain ``optax.global_norm`` of the true gradients, computed in float32.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -135,7 +137,9 @@ def test_off_by_default_state_and_program_unchanged():
     jaxpr_off = jax.make_jaxpr(off.update)(scaled(grads), s_off)
     jaxpr_off2 = jax.make_jaxpr(off2.update)(scaled(grads), off2.init(params))
     jaxpr_on = jax.make_jaxpr(on.update)(scaled(grads), s_on)
-    assert str(jaxpr_off) == str(jaxpr_off2)
+    # Printed jaxprs name functions by address (jax 0.7 prints more of
+    # them): those differ between two builds of the same program.
+    assert _without_addresses(jaxpr_off) == _without_addresses(jaxpr_off2)
     assert "sqrt" not in str(jaxpr_off)
     assert "sqrt" in str(jaxpr_on)  # negative control
     # The update itself is the same with and without the norm.
@@ -265,3 +269,7 @@ def test_shard_map_unchecked_counts_every_leaf_once():
     )
     norm = f(put(m, scaled(grads), P()), put(m, state, P()))
     assert float(norm) == 13.0
+
+
+def _without_addresses(jaxpr):
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", str(jaxpr))
