@@ -996,14 +996,18 @@ def _cond(ctx: _Ctx, eqn: Any, invals: list[_Val], widened: bool) -> list[_Val]:
     return [_Val(x, k) for x, k in zip(outs, classes, strict=True)]
 
 
-def _checkpoint(
-    ctx: _Ctx, eqn: Any, invals: list[_Val], widened: bool
-) -> list[_Val]:
-    p = eqn.params
-    jaxpr = p["jaxpr"]
-    record: dict[str, Any] = {}
+def _open_body(
+    ctx: _Ctx,
+    jaxpr: Any,
+    invals: Sequence[_Val],
+    widened: bool,
+    record: dict[str, Any],
+) -> Callable[..., list[Any]]:
+    """An open jaxpr (``checkpoint``'s, ``shard_map``'s) as a function of
+    arrays, evaluated with the rules; its outputs' classes go to
+    ``record["out"]`` when it is traced."""
 
-    def fn(*xs: Any) -> Any:
+    def body(*xs: Any) -> list[Any]:
         outs = _evaluate(
             ctx,
             jaxpr,
@@ -1014,6 +1018,15 @@ def _checkpoint(
         record["out"] = [v.cls for v in outs]
         return [v.x for v in outs]
 
+    return body
+
+
+def _checkpoint(
+    ctx: _Ctx, eqn: Any, invals: list[_Val], widened: bool
+) -> list[_Val]:
+    p = eqn.params
+    record: dict[str, Any] = {}
+    fn = _open_body(ctx, p["jaxpr"], invals, widened, record)
     outs = _compat.checkpoint(
         fn, prevent_cse=p["prevent_cse"], policy=p["policy"]
     )(*[v.x for v in invals])
@@ -1113,22 +1126,9 @@ def _shard_map(
 ) -> list[_Val]:
     """``shard_map``: its body evaluated per shard, with the same specs."""
     p = eqn.params
-    jaxpr = p["jaxpr"]
     record: dict[str, Any] = {}
-
-    def body(*xs: Any) -> Any:
-        outs = _evaluate(
-            ctx,
-            jaxpr,
-            [],
-            [_Val(x, v.cls) for x, v in zip(xs, invals, strict=True)],
-            out_widened=[widened] * len(jaxpr.outvars),
-        )
-        record["out"] = [v.cls for v in outs]
-        return [v.x for v in outs]
-
     mapped = jax.shard_map(
-        body,
+        _open_body(ctx, p["jaxpr"], invals, widened, record),
         mesh=p["mesh"],
         in_specs=tuple(p["in_specs"]),
         out_specs=list(p["out_specs"]),

@@ -268,6 +268,9 @@ def function_name(eqn: Any) -> str | None:
     ``custom_vjp_call``, the name of the decorated function, read from the
     debug information of its jaxpr (``"relu at .../functions.py:71"``).
     """
+    if not any(k in eqn.params for k in ("jaxpr", "call_jaxpr", "fun_jaxpr")):
+        # Not a call: a "name" param is data (checkpoint_name's label).
+        return None
     name = eqn.params.get("name")
     if isinstance(name, str):
         return name

@@ -793,6 +793,19 @@ def test_rules_move_a_primitive_between_lists():
     assert lossscale.AUTOCAST_RULES["dot_general"] == "compute"
 
 
+def test_a_checkpoint_name_is_a_label_not_a_function_rule():
+    from jax.ad_checkpoint import checkpoint_name
+
+    def f(x, w):
+        # Labelled "exp": the label must not pick up exp's float32 rule.
+        return jnp.sum(checkpoint_name(x @ w, "exp") @ w)
+
+    jaxpr = jax.make_jaxpr(lossscale.autocast(f))(
+        jnp.ones((2, 2)), jnp.ones((2, 2))
+    )
+    assert operand_dtypes(jaxpr, "name") == [(F16,)]
+
+
 def test_an_unknown_primitive_runs_at_its_traced_dtypes():
     def f(x, w):
         return jnp.sum(jnp.sort(x @ w, axis=-1))  # sort has no rule

@@ -57,7 +57,7 @@ def test_pyright_finds_no_error_in_the_package():
     assert errors == []
     assert report["summary"]["errorCount"] == 0
     # Every module was checked (the include still names the package).
-    modules = list((ROOT / "lossscale").glob("*.py"))
+    modules = list((ROOT / "lossscale").rglob("*.py"))
     assert report["summary"]["filesAnalyzed"] == len(modules)
 
 
