@@ -142,10 +142,22 @@ def test_restore_into_every_target(saved, target):
     run_pair(saved, target, "plain")
 
 
+# The quick run (-m "not slow") restores every pair without options, and
+# with each option the pairs restored into the first target only; the
+# rest of the options' matrix is slow.
+OPTION_PAIRS = [
+    pytest.param(
+        a,
+        b,
+        id=f"{a}-into-{b}",
+        marks=() if b == PAIRS[0][1] else pytest.mark.slow,
+    )
+    for a, b in PAIRS
+]
+
+
 @pytest.mark.parametrize("option", ["mask", "param_labels", "report_nonfinite"])
-@pytest.mark.parametrize(
-    ("saved", "target"), PAIRS, ids=[f"{a}-into-{b}" for a, b in PAIRS]
-)
+@pytest.mark.parametrize(("saved", "target"), OPTION_PAIRS)
 def test_restore_into_every_target_with_options(saved, target, option):
     run_pair(saved, target, option)
 
