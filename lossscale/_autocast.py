@@ -798,7 +798,7 @@ def _fixed_point(
 def _scan(ctx: _Ctx, eqn: Any, invals: list[_Val], widened: bool) -> list[_Val]:
     p = eqn.params
     closed = p["jaxpr"]
-    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    n_consts, n_carry = _compat.scan_counts(p)
     consts = invals[:n_consts]
     init = invals[n_consts : n_consts + n_carry]
     xs = invals[n_consts + n_carry :]

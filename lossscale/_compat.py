@@ -321,7 +321,8 @@ def call_jaxpr(eqn: Any) -> Any:
         jaxpr = eqn.params.get(key)
         if jaxpr is not None:
             if not hasattr(jaxpr, "consts"):  # an open jaxpr
-                return jex_core.ClosedJaxpr(jaxpr, ())
+                # jax 0.12's stubs do not re-export ClosedJaxpr (it is there).
+                return jex_core.ClosedJaxpr(jaxpr, ())  # pyright: ignore[reportPrivateImportUsage]
             return jaxpr
     raise KeyError(f"no jaxpr in the params of {eqn.primitive.name}")
 
@@ -373,6 +374,20 @@ def symbolic_zero_like(x: Any) -> Any:
     from jax._src.ad_util import SymbolicZero
 
     return SymbolicZero(jax.typeof(x).to_tangent_aval())
+
+
+def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """A ``scan`` equation's numbers of constants and of carries.
+
+    Its operands are the constants, then the carries, then the scanned
+    arrays; jax < 0.12 counts them in ``num_consts`` and ``num_carry``,
+    jax 0.12 in ``ft_in``, a flat tree of the three groups.
+    """
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    # A FlatTree: unpack() gives its three groups, len() their operands.
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
 
 
 def shard_map_axes(params: dict[str, Any]) -> frozenset[Any]:

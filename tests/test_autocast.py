@@ -18,6 +18,7 @@ import pytest
 from jax import lax
 
 import lossscale
+from lossscale import _compat
 
 F16, BF16, F32 = (
     np.dtype(jnp.float16),
@@ -381,8 +382,7 @@ def test_scan_carry_keeps_one_dtype_and_matmuls_are_float16():
     assert set(operand_dtypes(jaxpr, "dot_general")) == {(F16, F16)}
     scan = next(e for e in equations(jaxpr) if e.primitive.name == "scan")
     body = scan.params["jaxpr"]
-    n = scan.params["num_consts"]
-    carry = scan.params["num_carry"]
+    n, carry = _compat.scan_counts(scan.params)
     # The residual stream is a float16 carry, in and out.
     assert [v.aval.dtype for v in body.jaxpr.invars[n : n + carry]] == [
         v.aval.dtype for v in body.jaxpr.outvars[:carry]
