@@ -547,7 +547,7 @@ def _equation(
     if _in_float32_scope(eqn):
         return _original(ctx, eqn, invals)
     name = eqn.primitive.name
-    rule = _rule_of(ctx, eqn)
+    rule = ctx.rules.get(name)
     function = _compat.function_name(eqn)
     if function is not None and function in ctx.rules:
         # A function-level rule decides for the whole call.
