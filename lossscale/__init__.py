@@ -9,8 +9,9 @@ the scale.
 
 from lossscale import _interop as _interop
 from lossscale._accumulation import MultiSteps
+from lossscale._autocast import FUNCTION_RULES as AUTOCAST_FUNCTION_RULES
+from lossscale._autocast import PRIMITIVE_RULES as AUTOCAST_RULES
 from lossscale._autocast import autocast, float32_scope
-from lossscale._autocast_rules import DEFAULT_RULES as AUTOCAST_RULES
 from lossscale._diagnose import Diagnosis, diagnose
 from lossscale._finite import all_finite
 from lossscale._grad import value_and_grad
@@ -49,6 +50,7 @@ _interop.register_flax_serialization(
 )
 
 __all__ = (
+    "AUTOCAST_FUNCTION_RULES",
     "AUTOCAST_RULES",
     "Diagnosis",
     "DynamicLossScale",

@@ -398,6 +398,80 @@ def shard_map_axes(params: dict[str, Any]) -> frozenset[Any]:
     return frozenset(params["mesh"].axis_names)  # pragma: no cover
 
 
+class UnknownParams(Exception):
+    """A higher-order equation autocast cannot rebuild faithfully here."""
+
+
+def is_jit(eqn: Any) -> bool:
+    """A ``jax.jit`` equation (``pjit`` before jax 0.8, ``jit`` since)."""
+    return eqn.primitive.name in ("jit", "pjit")
+
+
+def rebind(eqn: Any, invals: Sequence[Any], **jaxprs: Any) -> list[Any]:
+    """Binds ``eqn``'s own primitive with every param kept but ``jaxprs``
+    (its jaxprs, re-traced at new dtypes)."""
+    missing = [k for k in jaxprs if k not in eqn.params]
+    if missing:
+        raise UnknownParams(f"no param {missing[0]!r}")
+    return bind_equation(eqn, invals, {**eqn.params, **jaxprs})
+
+
+def explicit_precision(eqn: Any) -> bool:
+    """A matmul given ``precision`` above ``DEFAULT`` (``HIGH``,
+    ``HIGHEST``, or a float32 algorithm): it asked for float32 products."""
+    precision = eqn.params.get("precision")
+    if precision is None:
+        return False
+    items = precision if isinstance(precision, tuple) else (precision,)
+    default = jax.lax.Precision.DEFAULT
+    return any(p is not None and p != default for p in items)
+
+
+# scan's params that lax.scan takes as arguments, and those it sets itself
+# to these values (a scan JAX itself made may set them otherwise).
+_SCAN_ARGUMENTS = ("reverse", "length", "unroll", "_split_transpose")
+_SCAN_STRUCTURE = ("jaxpr", "num_consts", "num_carry", "ft_in", "ft_out")
+
+
+def scan_options(params: dict[str, Any]) -> dict[str, Any]:
+    """``lax.scan``'s keyword arguments for a ``scan`` equation's params;
+    raises :class:`UnknownParams` for one it cannot pass."""
+    options = {}
+    for key, value in params.items():
+        if key in _SCAN_ARGUMENTS:
+            if key != "_split_transpose" or value:
+                options[key] = value
+        elif key == "linear":
+            if any(value):
+                raise UnknownParams(f"linear={value}")
+        elif key not in _SCAN_STRUCTURE:
+            raise UnknownParams(f"{key}={value!r}")
+    return options
+
+
+def shard_map_options(params: dict[str, Any]) -> dict[str, Any]:
+    """``jax.shard_map``'s keyword arguments for a ``shard_map`` equation."""
+    known = {
+        "jaxpr", "mesh", "in_specs", "out_specs", "check_vma", "check_rep",
+        "manual_axes", "newly_manual_axes", "auto", "rewrite",
+    }  # fmt: skip
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise UnknownParams(f"{unknown[0]}={params[unknown[0]]!r}")
+    return {
+        "mesh": params["mesh"],
+        "in_specs": tuple(params["in_specs"]),
+        "out_specs": list(params["out_specs"]),
+        "axis_names": shard_map_axes(params),
+        "check_vma": params.get("check_vma", params.get("check_rep", True)),
+    }
+
+
+def retyped(aval: Any, dtype: Any) -> Any:
+    """An abstract value with another dtype, strongly typed."""
+    return aval.update(dtype=dtype, weak_type=False)
+
+
 def checkpoint(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
     """``jax.checkpoint(fun, **options)``."""
     # jax 0.7's stubs do not re-export jax.checkpoint (pyright checks

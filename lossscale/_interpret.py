@@ -16,7 +16,7 @@ result composes with every transformation as the original function would.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lossscale import _compat
@@ -32,6 +32,9 @@ def run(
     apply: Apply,
     literal: Callable[[Any], Any] = _compat.literal_value,
     write: Callable[[Any, Any], Any] | None = None,
+    groups: Mapping[int, int] | None = None,
+    apply_group: Callable[[Sequence[Any], Callable[[Any], Any]], Sequence[Any]]
+    | None = None,
 ) -> list[Any]:
     """Evaluates ``jaxpr`` on ``consts`` and ``args``; returns its outputs.
 
@@ -43,6 +46,10 @@ def run(
         literal: the value a literal operand stands for.
         write: if given, ``write(var, value)`` returns what is stored for
             ``var`` (the skip's substitution); by default ``value`` itself.
+        groups: runs of consecutive equations evaluated together, from the
+            index of the first to the index after the last (autocast's
+            float32 islands): ``apply_group(eqns, read)`` returns the
+            values of every output of the run's equations, in order.
 
     Returns:
         One value per output of ``jaxpr``.
@@ -59,8 +66,20 @@ def run(
         store(var, value)
     for var, value in zip(jaxpr.invars, args, strict=True):
         store(var, value)
-    for eqn in jaxpr.eqns:
-        outs = apply(eqn, [read(atom) for atom in eqn.invars])
-        for var, value in zip(eqn.outvars, outs, strict=True):
+    eqns = jaxpr.eqns
+    groups = groups or {}
+    i = 0
+    while i < len(eqns):
+        end = groups.get(i)
+        if end is not None and apply_group is not None:
+            run = eqns[i:end]
+            outvars = [v for eqn in run for v in eqn.outvars]
+            outs = apply_group(run, read)
+            i = end
+        else:
+            outvars = eqns[i].outvars
+            outs = apply(eqns[i], [read(atom) for atom in eqns[i].invars])
+            i += 1
+        for var, value in zip(outvars, outs, strict=True):
             store(var, value)
     return [read(atom) for atom in jaxpr.outvars]

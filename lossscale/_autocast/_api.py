@@ -1,0 +1,424 @@
+"""The public function :func:`autocast` and :func:`float32_scope`."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lossscale import _compat, _interop, _policy
+from lossscale._autocast import _emit, _higher, _infer
+from lossscale._autocast import _rules as R
+from lossscale._autocast._classes import F32_DTYPE, Cls, is_float
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+FLOAT32_SCOPE = _infer.FLOAT32_SCOPE
+
+
+def autocast(
+    fun: F,
+    compute_dtype: Any = jnp.float16,
+    *,
+    output_dtype: Any = None,
+    rules: Mapping[str, str] | None = None,
+    function_rules: Mapping[str, str] | None = None,
+) -> F:
+    """Runs ``fun`` in mixed precision: matmuls in 16 bits, the rest safely.
+
+    The returned function has ``fun``'s signature. Called, it traces ``fun``
+    at the dtypes of its arguments (float32 parameters and data, say),
+    plans the dtype of every operation from these rules, and evaluates the
+    traced operations again at those dtypes:
+
+    - matmuls and convolutions (``dot_general``, ``conv_general_dilated``)
+      run with ``compute_dtype`` operands and results, in the forward pass
+      and in the backward pass that ``jax.grad`` derives from it, unless
+      they ask for ``precision=HIGHEST`` (or ``HIGH``);
+    - exponentials and logarithms, powers, ``rsqrt``, sums and products
+      (hence means, variances, norms), cumulative sums, ``log_softmax``,
+      ``softmax`` and ``logsumexp`` run in float32, as do losses built on
+      them;
+    - everything else follows PyTorch's type promotion: activations stay in
+      ``compute_dtype`` between matmuls (so the backward pass stores half
+      as much), an operation that meets a float32 value (a parameter, a
+      statistic, an input, a constant the compute dtype cannot hold, such
+      as a ``-1e9`` mask fill or ``finfo(float32).tiny``) is float32, and
+      a constant the compute dtype holds takes its partner's dtype;
+    - bounded functions (``tanh``, ``sigmoid``, ``erf``, ``sin``, ``cos``)
+      are rounded to ``compute_dtype`` only where no float32 operation
+      reads them (``log(sigmoid(z))`` stays float32).
+
+    So autocast never rounds a float32 value to 16 bits except as a
+    matmul's or a convolution's operand: a result that float16 cannot hold
+    overflows only inside a matmul, as in every AMP.
+
+    Integers, booleans and PRNG keys are never touched, and neither are
+    float64 values or an explicit cast the traced program shows (to float8,
+    say). Parameters stay float32 outside: ``jax.grad`` of an autocast loss
+    returns float32 gradients with the parameters' structure. Outputs have
+    the dtypes ``fun`` returns without autocast, unless ``output_dtype`` is
+    given.
+
+    The traced program's own jaxprs are planned and evaluated with the same
+    rules, each re-bound with all its parameters: ``jax.jit``-ed functions
+    (once per input classes: a block called 48 times stays one function),
+    ``lax.scan``, ``lax.while_loop``, ``lax.cond`` (and
+    ``lax.platform_dependent``), ``jax.checkpoint``, ``shard_map`` and the
+    functions of ``jax.custom_jvp`` (whose rule is evaluated with the same
+    rules); a ``custom_vjp`` function runs whole at the dtypes it was traced
+    with. A loop's carry takes one dtype for every iteration, float32 if it
+    starts float32 (an accumulator); a ``while_loop`` whose condition reads
+    a float carry runs at its traced dtypes, so that it stops where
+    float32 stops.
+
+    Called eagerly (outside any trace) with array arguments, it is compiled
+    once per argument types, as a ``jax.jit`` of it would be.
+
+    Args:
+        fun: the function to run, e.g. a loss ``loss_fn(params, batch)``.
+        compute_dtype: ``jnp.float16`` (the default) or ``jnp.bfloat16``,
+            or their names; or a :class:`lossscale.Policy` (or its string,
+            ``"p=f32,c=bf16,o=f32"``, jmp's grammar): compute in its
+            ``compute_dtype``, with every floating output cast to its
+            ``output_dtype``. Its ``param_dtype`` must be float32: autocast
+            takes parameters in the dtype they come in.
+        output_dtype: ``None`` (each output keeps the dtype ``fun`` gives
+            it without autocast), or a float dtype to cast every floating
+            output to.
+        rules: overrides of the primitive rules, from a primitive's name
+            (``"tanh"``, ``"dot_general"``, as ``jax.make_jaxpr`` prints
+            them) to ``"compute"``, ``"float32"``, ``"promote"`` or
+            ``"original"`` (run at the traced dtypes).
+            :data:`lossscale.AUTOCAST_RULES` lists the defaults.
+        function_rules: overrides of the function rules, from the name of a
+            ``jax.jit``-ed, ``custom_jvp`` or ``custom_vjp`` function to
+            ``"float32"`` (it runs whole at its traced dtypes) or
+            ``"autocast"`` (it is evaluated with the rules).
+            :data:`lossscale.AUTOCAST_FUNCTION_RULES` lists the defaults;
+            :func:`float32_scope` keeps any region in float32. A key of
+            either mapping that no equation of the traced program matches
+            raises a ``UserWarning`` naming it, once.
+
+    Returns:
+        A function with ``fun``'s signature.
+
+    Raises:
+        TypeError: if ``fun`` is not callable, ``compute_dtype`` is not a
+            16-bit float type, or ``rules`` is malformed.
+        ValueError: if a rule is unknown, a function's name is given as a
+            primitive's, or a policy's ``param_dtype`` is not float32.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> import lossscale
+        >>> def loss_fn(w, x):
+        ...     return jnp.mean(jnp.exp(x @ w))
+        >>> w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
+        >>> f16_loss = lossscale.autocast(loss_fn, jnp.float16)
+        >>> f16_loss(w, x).dtype  # as without autocast
+        dtype('float32')
+        >>> jax.grad(f16_loss)(w, x).dtype  # the master weights' dtype
+        dtype('float32')
+        >>> jaxpr = jax.make_jaxpr(jax.grad(f16_loss))(w, x).jaxpr
+        >>> def dtypes(name):  # of each equation's first operand
+        ...     return {str(e.invars[0].aval.dtype)
+        ...             for e in jaxpr.eqns if e.primitive.name == name}
+        >>> dtypes("dot_general"), dtypes("exp")  # forward and backward
+        ({'float16'}, {'float32'})
+
+    References:
+        Micikevicius et al., `Mixed Precision Training
+        <https://arxiv.org/abs/1710.03740>`_, 2017; PyTorch's
+        `autocast op reference
+        <https://docs.pytorch.org/docs/stable/amp.html#autocast-op-reference>`_.
+    """
+    if not callable(fun):
+        raise TypeError(
+            f"fun must be callable, got fun={fun!r} of type "
+            f"{type(fun).__name__}."
+        )
+    if isinstance(compute_dtype, str) and _is_policy_string(compute_dtype):
+        compute_dtype = _policy.get_policy(compute_dtype)
+    if isinstance(compute_dtype, _policy.Policy):
+        if output_dtype is not None:
+            raise TypeError(
+                "output_dtype must be None when compute_dtype is a Policy "
+                "(its output dtype is used), got "
+                f"output_dtype={output_dtype!r}."
+            )
+        param = compute_dtype.param_dtype
+        if param is not None and np.dtype(param) != F32_DTYPE:
+            raise ValueError(
+                "autocast takes parameters in the dtype they come in and "
+                "keeps float32 master weights: a Policy's param_dtype must "
+                f"be float32, got param_dtype={np.dtype(param).name} (cast "
+                "the parameters with policy.cast_to_param first to store "
+                "them in 16 bits)."
+            )
+        output_dtype = compute_dtype.output_dtype
+        compute_dtype = compute_dtype.compute_dtype
+    primitive, function, overrides = _tables(rules, function_rules)
+    ctx = _infer.Ctx(
+        compute=check_compute_dtype(compute_dtype),
+        rules=primitive,
+        function_rules=function,
+        overrides=overrides,
+    )
+    out_dtype = None if output_dtype is None else _float_dtype(output_dtype)
+    warned: set[tuple[str, str]] = set()
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        result = _call(ctx, out_dtype, fun, args, kwargs)
+        _warn_unused(ctx, warned)
+        return result
+
+    jitted = jax.jit(traced)
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if not _compat.tracing() and _jittable((args, kwargs)):
+            return jitted(*args, **kwargs)
+        return traced(*args, **kwargs)
+
+    return cast(F, wrapped)
+
+
+def _jittable(tree: Any) -> bool:
+    """Every leaf an array (a Python number may be static), none of it NNX
+    state:
+    an eager call can be compiled, and cached, as a ``jax.jit``."""
+    leaves = jax.tree.leaves(tree, is_leaf=_interop.is_variable)
+    return all(
+        isinstance(x, jax.Array | np.ndarray | np.generic) for x in leaves
+    )
+
+
+def _warn_unused(ctx: _infer.Ctx, warned: set[tuple[str, str]]) -> None:
+    for kind, name in sorted(ctx.overrides - ctx.used - warned):
+        warned.add((kind, name))
+        where = "rules" if kind == "primitive" else "function_rules"
+        warnings.warn(
+            f"lossscale.autocast: {where}[{name!r}] matches no "
+            f"{'primitive' if kind == 'primitive' else 'function'} of the "
+            "traced program (a typo, or a function that is not jax.jit-ed, "
+            "custom_jvp or custom_vjp?).",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _is_policy_string(spec: str) -> bool:
+    """A jmp policy string (``"p=f32,c=f16"``, ``"mixed_float16"``), not a
+    dtype's name; jmp's ``"half"`` counts as a policy too, so that it means
+    what it means in jmp (bfloat16 on TPU, float16 elsewhere)."""
+    spec = spec.strip()
+    return "=" in spec or spec.startswith("mixed_") or spec == "half"
+
+
+def check_compute_dtype(dtype: Any, name: str = "compute_dtype") -> np.dtype:
+    """A 16-bit float dtype (float16 or bfloat16), from a dtype or name."""
+    try:
+        result = np.dtype(dtype)
+    except TypeError:
+        result = None
+    if result is None or not (
+        jnp.issubdtype(result, jnp.floating) and result.itemsize == 2
+    ):
+        raise TypeError(
+            f"{name} must be a 16-bit float type (jnp.float16 or "
+            f"jnp.bfloat16, or their names), got {name}={dtype!r}."
+        )
+    return result
+
+
+def _float_dtype(dtype: Any) -> np.dtype:
+    try:
+        result = np.dtype(dtype)
+    except TypeError:
+        result = None
+    if result is None or not jnp.issubdtype(result, jnp.floating):
+        raise TypeError(
+            "output_dtype must be None or a float dtype, got "
+            f"output_dtype={dtype!r}."
+        )
+    return result
+
+
+def _check_table(
+    name: str, overrides: Mapping[str, str] | None, accepted: tuple[str, ...]
+) -> dict[str, str]:
+    if overrides is None:
+        return {}
+    if not isinstance(overrides, Mapping):
+        raise TypeError(
+            f"{name} must be a mapping from a name to a rule, got "
+            f"{name}={overrides!r}."
+        )
+    for key, rule in overrides.items():
+        if not isinstance(key, str):
+            raise TypeError(
+                f"{name} keys must be names (str), got {key!r} in {name}."
+            )
+        if rule not in accepted:
+            raise ValueError(
+                f"{name}[{key!r}] must be one of {accepted}, got {rule!r}."
+            )
+    return dict(overrides)
+
+
+def _tables(
+    rules: Mapping[str, str] | None, function_rules: Mapping[str, str] | None
+) -> tuple[dict[str, R.Rule], dict[str, R.FunctionRule], frozenset]:
+    primitive = _check_table("rules", rules, R.RULES_ACCEPTED)
+    function = _check_table(
+        "function_rules", function_rules, R.FUNCTION_RULES_ACCEPTED
+    )
+    for key in primitive:
+        if key in R.FUNCTION_RULES or key in _higher.HANDLERS:
+            raise ValueError(
+                f"rules[{key!r}]: {key!r} is "
+                + (
+                    "a function: give it in function_rules="
+                    if key in R.FUNCTION_RULES
+                    else "a higher-order primitive, whose jaxprs autocast "
+                    "evaluates with the rules: use float32_scope() or "
+                    "function_rules= for the function it calls"
+                )
+                + "."
+            )
+    overrides = frozenset(
+        [("primitive", k) for k in primitive]
+        + [("function", k) for k in function]
+    )
+    return (
+        {**R.PRIMITIVE_RULES, **primitive},  # type: ignore[dict-item]
+        {**R.FUNCTION_RULES, **function},  # type: ignore[dict-item]
+        overrides,
+    )
+
+
+@contextlib.contextmanager
+def float32_scope() -> Iterator[None]:
+    """Keeps what is traced inside it at the dtypes it is traced with.
+
+    A context manager and a decorator: operations traced in it (a mixture
+    of experts' router, a loss of your own) run under :func:`autocast` as
+    they would without it, as PyTorch's ``autocast(enabled=False)`` does,
+    and so do their derivatives and what ``jax.vmap`` makes of them. It is
+    a ``jax.named_scope``, so it costs nothing outside autocast and shows
+    in profiles.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import lossscale
+        >>> @lossscale.float32_scope()
+        ... def router(x, w):
+        ...     return x @ w
+        >>> f = lossscale.autocast(lambda x, w: router(x, w) + x @ w)
+        >>> f(jnp.ones((2, 2)), jnp.ones((2, 2))).dtype
+        dtype('float32')
+    """
+    with jax.named_scope(FLOAT32_SCOPE):
+        yield
+
+
+# --- tracing, planning and emitting -----------------------------------------
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic) or (
+        _compat.is_tracer(x)
+    )
+
+
+def _input_class(ctx: _infer.Ctx, x: Any) -> Cls:
+    dtype = _emit.dtype_of(x)
+    if isinstance(x, np.ndarray | np.generic):
+        # JAX reads a NumPy array in its own dtype for it: a float64 batch
+        # (what data loaders give) is float32 unless x64 is enabled.
+        dtype = cast(Any, jax.typeof(x)).dtype
+    if not is_float(dtype) or np.dtype(dtype).itemsize > 4:
+        return Cls.KEEP
+    if np.dtype(dtype) == F32_DTYPE:
+        return Cls.F32
+    if np.dtype(dtype) == ctx.compute:
+        return Cls.LOW
+    return Cls.KEEP
+
+
+def _call(
+    ctx: _infer.Ctx,
+    out_dtype: np.dtype | None,
+    fun: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+    # State that fun updates in place (flax NNX's Variables: BatchNorm's
+    # statistics, an RNG's counter) is updated in the copies fun is traced
+    # with: it comes out of the trace as extra outputs and is written back.
+    holders = jax.tree.leaves((args, kwargs), is_leaf=_interop.is_variable)
+    mutable = [
+        j
+        for j, i in enumerate(dynamic)
+        if len(holders) == len(leaves) and _interop.is_variable(holders[i])
+    ]
+    record: dict[str, Any] = {}
+
+    def flat(*arrays: Any) -> Any:
+        full = list(leaves)
+        for i, array in zip(dynamic, arrays, strict=True):
+            full[i] = array
+        a, k = jax.tree.unflatten(treedef, full)
+        out = fun(*a, **k)
+        after = jax.tree.leaves((a, k))
+        changed = [
+            j
+            for j in mutable
+            if len(after) == len(leaves) and after[dynamic[j]] is not arrays[j]
+        ]
+        record["changed"] = changed
+        return out, [after[dynamic[j]] for j in changed]
+
+    arrays = [leaves[i] for i in dynamic]
+    closed, (out_shape, _) = jax.make_jaxpr(flat, return_shape=True)(*arrays)
+    jaxpr = closed.jaxpr
+    # Outputs read in float32 (their traced dtype, or output_dtype) let
+    # the last elementwise operations before them run in float32 too.
+    wide = out_dtype is None or out_dtype.itemsize >= 4
+    n = len(jaxpr.outvars)
+    plan = _infer.infer(
+        ctx,
+        jaxpr,
+        _higher.const_infos(ctx, closed.consts),
+        [_input_class(ctx, x) for x in arrays],
+        [wide] * n,
+        [wide] * n,
+    )
+    outs = _emit.emit(
+        ctx, jaxpr, plan, _emit.store(ctx, closed.consts, plan.consts), arrays
+    )
+    n_out = len(jax.tree.leaves(out_shape))
+    results = []
+    for x, atom in zip(outs[:n_out], jaxpr.outvars, strict=False):
+        dtype = atom.aval.dtype
+        if out_dtype is not None and is_float(dtype):
+            dtype = out_dtype
+        if not isinstance(x, jax.Array):
+            # A constant output is a literal of the jaxpr (jax's own int
+            # and float subclasses): an array, as jax.jit returns it.
+            x = jnp.asarray(x)
+        results.append(_emit.cast(x, dtype))
+    for j, x in zip(record["changed"], outs[n_out:], strict=True):
+        _interop.set_variable(
+            holders[dynamic[j]], _emit.cast(x, _emit.dtype_of(arrays[j]))
+        )
+    return jax.tree.unflatten(jax.tree.structure(out_shape), results)
