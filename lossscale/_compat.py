@@ -467,6 +467,23 @@ def shard_map_options(params: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def bind_remat(jaxpr: Any, args: Sequence[Any]) -> list[Any]:
+    """``jax.checkpoint`` of an open ``jaxpr`` already traced (no policy,
+    no CSE barrier): binding the same jaxpr again lets JAX's caches of its
+    derivative hit."""
+    from jax.extend.core import primitives
+
+    return list(
+        primitives.remat_p.bind(
+            *args,
+            jaxpr=jaxpr,
+            prevent_cse=False,
+            differentiated=False,
+            policy=None,
+        )
+    )
+
+
 def retyped(aval: Any, dtype: Any) -> Any:
     """An abstract value with another dtype, strongly typed."""
     return aval.update(dtype=dtype, weak_type=False)

@@ -21,6 +21,7 @@ carry, a conditional's outputs): ``CONST < LOW < F32 < KEEP``.
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -48,6 +49,7 @@ class Info(NamedTuple):
     value: Any = None
 
 
+@functools.lru_cache(maxsize=256)
 def is_float(dtype: Any) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.floating))
 

@@ -156,11 +156,60 @@ def _island(ctx: Ctx, plan: Plan, run: Sequence[Any], read: Any) -> list[Any]:
                 outs.extend(results)
         return outs
 
-    return list(
-        _compat.checkpoint(body, prevent_cse=False)(
-            *[values[i] for i in traced]
+    args = [values[i] for i in traced]
+    key = _island_key(plan, run, inputs, values, traced)
+    if key is not None:
+        # The same island in every layer of a model is traced once: JAX
+        # caches its derivative per jaxpr.
+        hit = ctx.emitted.get(key)
+        if hit is None:
+            closed = jax.make_jaxpr(body)(*args)
+            hit = ctx.emitted[key] = None if closed.consts else closed.jaxpr
+        if hit is not None:
+            return _compat.bind_remat(hit, args)
+    return list(_compat.checkpoint(body, prevent_cse=False)(*args))
+
+
+def _island_key(
+    plan: Plan,
+    run: Sequence[Any],
+    inputs: Sequence[Any],
+    values: Sequence[Any],
+    traced: Sequence[int],
+) -> Any:
+    """What an island computes, from its structure and its operands'
+    types (``None``: not hashable, or with concrete operands)."""
+    if len(traced) != len(values):
+        return None
+    position = {v: ("in", k) for k, v in enumerate(inputs)}
+    parts: list[Any] = []
+    for n, eqn in enumerate(run):
+        refs = []
+        for atom in eqn.invars:
+            if _compat.is_literal(atom):
+                value = np.asarray(_compat.literal_value(atom))
+                refs.append(("lit", str(value.dtype), value.tobytes()))
+            else:
+                refs.append(position[atom])
+        for m, var in enumerate(eqn.outvars):
+            position[var] = ("out", n, m)
+        node = plan.nodes[eqn]
+        parts.append(
+            (
+                eqn.primitive,
+                tuple(sorted(eqn.params.items())),
+                tuple(refs),
+                node.mode,
+                node.ins,
+                node.outs,
+            )
         )
-    )
+    key = ("island", tuple(parts), tuple(jax.typeof(x) for x in values))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def store(ctx: Ctx, outs: Sequence[Any], classes: Sequence[Cls]) -> list:

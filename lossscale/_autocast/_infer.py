@@ -55,6 +55,9 @@ class Ctx:
     overrides: frozenset[tuple[str, str]] = frozenset()
     used: set[tuple[str, str]] = dataclasses.field(default_factory=set)
     plans: dict[Any, Any] = dataclasses.field(default_factory=dict)
+    # Facts about an equation or a literal that do not depend on classes,
+    # by id (the plans keep the jaxprs, hence the ids, alive).
+    facts: dict[int, Any] = dataclasses.field(default_factory=dict)
     emitted: dict[Any, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -91,6 +94,31 @@ def in_float32_scope(eqn: Any) -> bool:
     """Traced inside :func:`lossscale.float32_scope`, under any
     transformation (``vmap(lossscale_float32)``, ``transpose(jvp(...))``)."""
     return _SCOPE_RE.search(_compat.name_stack(eqn)) is not None
+
+
+class _EqnFacts(NamedTuple):
+    scoped: bool
+    function: str | None
+
+
+def _facts(ctx: Ctx, eqn: Any) -> _EqnFacts:
+    hit = ctx.facts.get(id(eqn))
+    if hit is None or hit[0] is not eqn:
+        hit = (
+            eqn,
+            _EqnFacts(in_float32_scope(eqn), _compat.function_name(eqn)),
+        )
+        ctx.facts[id(eqn)] = hit
+    return hit[1]
+
+
+def _literal(ctx: Ctx, atom: Any) -> Info:
+    hit = ctx.facts.get(id(atom))
+    if hit is None or hit[0] is not atom:
+        value = _compat.literal_value(atom)
+        info = Info(of_value(value, atom.aval.dtype, ctx.compute), value)
+        hit = ctx.facts[id(atom)] = (atom, info)
+    return hit[1]
 
 
 def infer(
@@ -148,10 +176,7 @@ def _infer(
 
         def read(atom: Any, env: dict[Any, Info] = env) -> Info:
             if _compat.is_literal(atom):
-                value = _compat.literal_value(atom)
-                return Info(
-                    of_value(value, atom.aval.dtype, ctx.compute), value
-                )
+                return _literal(ctx, atom)
             return env[atom]
 
         nodes: dict[Any, Node] = {}
@@ -212,7 +237,7 @@ def _infer(
                 out_classes,
                 tuple(in_reads32),
                 tuple(in_demanded),
-                _islands(eqns, nodes),
+                _islands(ctx, eqns, nodes),
             )
         only32, demanded = new_only32, new_demanded
     raise AssertionError(  # pragma: no cover - the facts only grow
@@ -220,7 +245,7 @@ def _infer(
     )
 
 
-def _islands(eqns: Sequence[Any], nodes: Mapping[Any, Node]) -> dict:
+def _islands(ctx: Ctx, eqns: Sequence[Any], nodes: Mapping[Any, Node]) -> dict:
     """Runs of consecutive elementwise equations that read a compute-dtype
     activation in float32 (a bias add and the GELU after it, a norm's
     output): each is emitted under ``jax.checkpoint``, so that the
@@ -234,7 +259,7 @@ def _islands(eqns: Sequence[Any], nodes: Mapping[Any, Node]) -> dict:
             node.mode in ("compute", "float32", "traced", "convert")
             and name not in R.MATMULS
             and (name in R.PRIMITIVE_RULES or name == "convert_element_type")
-            and not in_float32_scope(eqn)
+            and not _facts(ctx, eqn).scoped
         )
 
     def upcast(eqn: Any) -> bool:
@@ -300,7 +325,7 @@ def _rule(ctx: Ctx, name: str) -> R.Rule | None:
 
 def function_rule(ctx: Ctx, eqn: Any) -> R.FunctionRule | None:
     """The function rule of a call equation, if its function has one."""
-    name = _compat.function_name(eqn)
+    name = _facts(ctx, eqn).function
     if name is None or name not in ctx.function_rules:
         return None
     if ("function", name) in ctx.overrides:
@@ -331,10 +356,11 @@ def _forward(
     demanded: list[bool],
 ) -> tuple[Node, list[Info]]:
     name = eqn.primitive.name
-    if in_float32_scope(eqn):
+    facts = _facts(ctx, eqn)
+    if facts.scoped:
         return _traced(ctx, eqn, infos)
     handler = _higher.HANDLERS.get(name)
-    if handler is not None or _compat.function_name(eqn) is not None:
+    if handler is not None or facts.function is not None:
         if function_rule(ctx, eqn) in ("float32", "original"):
             return _traced(ctx, eqn, infos)
         if handler is None:
