@@ -202,6 +202,15 @@ def _jittable(tree: Any) -> bool:
 
 def _warn_unused(ctx: _infer.Ctx, warned: set[tuple[str, str]]) -> None:
     for kind, name in sorted(ctx.overrides - ctx.used - warned):
+        if kind == "primitive" and name in ctx.functions:
+            raise ValueError(
+                f"rules[{name!r}]: {name!r} is a function of the traced "
+                "program, not a primitive: give its rule in "
+                f"function_rules={{{name!r}: ...}} ('float32' or "
+                "'autocast'; a function cannot be bound at other dtypes "
+                "than its own, so 'compute' and 'promote' are primitives' "
+                "rules only)."
+            )
         warned.add((kind, name))
         where = "rules" if kind == "primitive" else "function_rules"
         warnings.warn(

@@ -157,6 +157,25 @@ def _island(ctx: Ctx, plan: Plan, run: Sequence[Any], read: Any) -> list[Any]:
         return outs
 
     args = [values[i] for i in traced]
+    with jax.named_scope(ISLAND_SCOPE):
+        return _island_bind(ctx, plan, run, inputs, values, traced, body, args)
+
+
+# The name of the checkpoints autocast adds around float32 islands, as
+# profiles (and tests telling them from the program's own) see them.
+ISLAND_SCOPE = "lossscale_island"
+
+
+def _island_bind(
+    ctx: Ctx,
+    plan: Plan,
+    run: Sequence[Any],
+    inputs: Sequence[Any],
+    values: Sequence[Any],
+    traced: Sequence[int],
+    body: Any,
+    args: list[Any],
+) -> list[Any]:
     key = _island_key(plan, run, inputs, values, traced)
     if key is not None:
         # The same island in every layer of a model is traced once: JAX
@@ -181,7 +200,9 @@ def _island_key(
     types (``None``: not hashable, or with concrete operands)."""
     if len(traced) != len(values):
         return None
-    position = {v: ("in", k) for k, v in enumerate(inputs)}
+    position: dict[Any, tuple[Any, ...]] = {
+        v: ("in", k) for k, v in enumerate(inputs)
+    }
     parts: list[Any] = []
     for n, eqn in enumerate(run):
         refs = []
