@@ -95,6 +95,8 @@ class Plan(NamedTuple):
     reads32: tuple[bool, ...]  # per input: read in float32 inside
     demanded: tuple[bool, ...]  # per input: reaches a float32 operation
     islands: Mapping[int, int]  # float32 islands: first index -> end
+    pure: bool  # only elementwise equations: may be part of an island
+    exact: bool  # only data movement, selection and max/min
 
 
 def in_float32_scope(eqn: Any) -> bool:
@@ -174,7 +176,9 @@ def _infer(
 
     only32: dict[Any, bool] = {}
     demanded: dict[Any, bool] = {}
-    for _ in range(len(eqns) + 2):
+    rounded: dict[Any, bool] = {}
+    n_vars = sum(len(e.outvars) for e in eqns)
+    for round_ in range(3 * n_vars + 2):
         env: dict[Any, Info] = {}
         for var, info in zip(jaxpr.constvars, consts, strict=True):
             env[var] = info
@@ -195,6 +199,7 @@ def _infer(
                 infos,
                 [only32.get(v, False) for v in eqn.outvars],
                 [demanded.get(v, False) for v in eqn.outvars],
+                [rounded.get(v, False) for v in eqn.outvars],
             )
             nodes[eqn] = node
             for var, info in zip(eqn.outvars, outs, strict=True):
@@ -204,6 +209,39 @@ def _infer(
         # Backwards: what each variable's readers make of it.
         new_only32: dict[Any, bool] = {}
         new_demanded: dict[Any, bool] = {}
+        new_rounded: dict[Any, bool] = {}
+
+        def rounded_by(
+            var: Any,
+            nodes: dict[Any, Node] = nodes,
+            new_rounded: dict[Any, bool] = new_rounded,
+        ) -> bool:
+            """Every use rounds it to the compute dtype anyway: a matmul's
+            operand, through exact operations (a relu, max pooling, a
+            reshape), which commute with the rounding."""
+            if var in outputs:
+                return False
+            found = False
+            for eqn, _ in readers.get(var, ()):
+                node = nodes[eqn]
+                name = eqn.primitive.name
+                if node.mode == "compute" and name in R.MATMULS:
+                    found = True
+                    continue
+                exact = (
+                    name in R.RANGE_PRESERVING and node.mode != "convert"
+                ) or (
+                    node.mode == "higher"
+                    and name in _ISLAND_CALLS
+                    and all(p.exact for p in node.data.plans)
+                )
+                floats = [v for v in eqn.outvars if is_float(v.aval.dtype)]
+                if not (exact and floats):
+                    return False
+                if not all(new_rounded.get(v, False) for v in floats):
+                    return False
+                found = True
+            return found
 
         def uses(
             var: Any,
@@ -230,13 +268,32 @@ def _infer(
                 u = uses(var)
                 new_only32[var] = bool(u) and all(r for r, _ in u)
                 new_demanded[var] = any(d for _, d in u)
+                new_rounded[var] = rounded_by(var)
         in_reads32 = []
         in_demanded = []
         for var in jaxpr.invars:
             u = uses(var)
             in_reads32.append(any(r for r, _ in u))
             in_demanded.append(any(d for _, d in u))
-        if new_only32 == only32 and new_demanded == demanded:
+        # Each fact changes at most once (float32 facts only become true,
+        # "rounded anyway" only false), so the iteration ends.
+        first = round_ == 0
+        acc_only32 = {
+            v: f or only32.get(v, False) for v, f in new_only32.items()
+        }
+        acc_demanded = {
+            v: f or demanded.get(v, False) for v, f in new_demanded.items()
+        }
+        acc_rounded = {
+            v: f and (first or rounded.get(v, False))
+            for v, f in new_rounded.items()
+        }
+        if (
+            acc_only32 == only32
+            and acc_demanded == demanded
+            and acc_rounded == rounded
+        ):
+            members = _members(ctx, eqns, nodes)
             return Plan(
                 nodes,
                 tuple(c.cls for c in consts),
@@ -244,30 +301,73 @@ def _infer(
                 out_classes,
                 tuple(in_reads32),
                 tuple(in_demanded),
-                _islands(ctx, eqns, nodes),
+                _islands(eqns, nodes, members),
+                all(members),
+                _exact(eqns, nodes),
             )
-        only32, demanded = new_only32, new_demanded
-    raise AssertionError(  # pragma: no cover - the facts only grow
+        only32, demanded, rounded = acc_only32, acc_demanded, acc_rounded
+
+    raise AssertionError(  # pragma: no cover - each fact changes once
         "lossscale.autocast: the inference pass did not converge."
     )
 
 
-def _islands(ctx: Ctx, eqns: Sequence[Any], nodes: Mapping[Any, Node]) -> dict:
-    """Runs of consecutive elementwise equations that read a compute-dtype
-    activation in float32 (a bias add and the GELU after it, a norm's
-    output): each is emitted under ``jax.checkpoint``, so that the
-    backward pass keeps the 16-bit activation it starts from, not the
-    float32 values it computes, and recomputes them (they are cheap)."""
+def _members(
+    ctx: Ctx, eqns: Sequence[Any], nodes: Mapping[Any, Node]
+) -> list[bool]:
+    """Which equations may be part of a float32 island: elementwise ones
+    and data movement (no matmul), and calls of such only (``jax.nn.relu``
+    is a ``custom_jvp`` of a ``jax.jit``)."""
 
     def member(eqn: Any) -> bool:
         node = nodes[eqn]
         name = eqn.primitive.name
+        if _facts(ctx, eqn).scoped:
+            return False
+        if node.mode == "higher":
+            return name in _ISLAND_CALLS and all(
+                p.pure for p in node.data.plans
+            )
         return (
             node.mode in ("compute", "float32", "traced", "convert")
             and name not in R.MATMULS
             and (name in R.PRIMITIVE_RULES or name == "convert_element_type")
-            and not _facts(ctx, eqn).scoped
         )
+
+    return [member(e) for e in eqns]
+
+
+_ISLAND_CALLS = frozenset({"jit", "pjit", "custom_jvp_call"})
+
+
+def _exact(eqns: Sequence[Any], nodes: Mapping[Any, Node]) -> bool:
+    """Whether a jaxpr only moves, selects and compares values (a relu):
+    rounding its operands or its results gives the same values."""
+    for eqn in eqns:
+        node = nodes[eqn]
+        name = eqn.primitive.name
+        if node.mode == "higher":
+            if name not in _ISLAND_CALLS or not all(
+                p.exact for p in node.data.plans
+            ):
+                return False
+        elif not (
+            name in R.RANGE_PRESERVING
+            or not any(is_float(v.aval.dtype) for v in eqn.outvars)
+        ):
+            return False
+    return True
+
+
+def _islands(
+    eqns: Sequence[Any], nodes: Mapping[Any, Node], members: Sequence[bool]
+) -> dict:
+    """Runs of consecutive elementwise equations that read a compute-dtype
+    activation in float32 (a bias add and the GELU after it, a norm's
+    output, a bias, relu and max pooling): each is emitted under
+    ``jax.checkpoint``, so that the backward pass keeps the 16-bit
+    activation it starts from, not the float32 values it computes, and
+    recomputes them (they are cheap)."""
 
     def upcast(eqn: Any) -> bool:
         node = nodes[eqn]
@@ -276,11 +376,11 @@ def _islands(ctx: Ctx, eqns: Sequence[Any], nodes: Mapping[Any, Node]) -> dict:
     islands = {}
     i = 0
     while i < len(eqns):
-        if not member(eqns[i]):
+        if not members[i]:
             i += 1
             continue
         j = i
-        while j < len(eqns) and member(eqns[j]):
+        while j < len(eqns) and members[j]:
             j += 1
         if j - i >= 2 and any(upcast(e) for e in eqns[i:j]):
             islands[i] = j
@@ -361,6 +461,7 @@ def _forward(
     infos: list[Info],
     only32: list[bool],
     demanded: list[bool],
+    rounded: list[bool],
 ) -> tuple[Node, list[Info]]:
     name = eqn.primitive.name
     facts = _facts(ctx, eqn)
@@ -432,8 +533,16 @@ def _forward(
     if ROUND_MIXED and Cls.LOW in floats:
         return result("float32", Cls.LOW)
     # Moving or selecting 16-bit values is exact: no reason to widen it.
-    exact = name in R.RANGE_PRESERVING and floats == {Cls.LOW}
+    exact = name in R.RANGE_PRESERVING and floats <= {Cls.LOW, Cls.CONST}
     if Cls.F32 in floats or (float_outs and all(only32) and not exact):
+        # A result every use rounds anyway (a bias add before a relu and
+        # the next matmul) is rounded here, once: the same values, and
+        # 16 bits for the backward pass to keep.
+        float_rounded = [
+            r for r, f in zip(rounded, float_outs, strict=True) if f
+        ]
+        if Cls.LOW in floats and float_rounded and all(float_rounded):
+            return result("float32", Cls.LOW)
         return result("float32", Cls.F32)
     return result("compute", Cls.LOW)
 
