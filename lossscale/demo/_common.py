@@ -107,9 +107,9 @@ def make_step(
     def step(params, opt_state, key, data):
         batch = sample(key, data)
         scale = lossscale.get_loss_scale(opt_state)
-        scaled_loss, grads = jax.value_and_grad(
-            lambda p: scale.scale(loss_fn(p, batch))
-        )(params)
+        loss, grads = lossscale.value_and_grad(loss_fn, opt_state)(
+            params, batch
+        )
         true_grads = scale.unscale(grads)
         leaves = jax.tree.leaves(true_grads)
         zeros = sum(jnp.sum(g == 0) for g in leaves) / sum(
@@ -118,7 +118,7 @@ def make_step(
         updates, opt_state = tx.update(grads, opt_state, params)
         m = lossscale.metrics(opt_state)
         record = (
-            scaled_loss / scale.loss_scale,
+            loss,
             m["loss_scale"],
             ~m["grads_finite"],
             zeros,
