@@ -87,7 +87,9 @@ def plain_step(inner):
 
 
 def loss_scaled(inner, loss_scale, impl="select", **kwargs):
-    """``lossscale.loss_scaled`` with the skip made by ``impl``."""
+    """``lossscale.loss_scaled`` with the skip made by ``impl``, taking
+    the step's gradients as given (they are inputs here, not marked)."""
+    kwargs.setdefault("require_scaled_by", False)
     with _transform.skip_impl(impl):
         return lossscale.loss_scaled(inner, loss_scale, **kwargs)
 
@@ -287,12 +289,17 @@ def full_step(width: int, depth: int, batch: int, rounds: int, calls: int):
         def wrapped(params, state):
             scale = lossscale.get_loss_scale(state)
             grads = jax.grad(lambda p: scale.scale(loss_fn(p)))(params)
-            updates, state = tx.update(grads, state, params)
+            updates, state = tx.update(grads, state, params, scaled_by=scale)
             return optax.apply_updates(params, updates), state
 
         return wrapped, tx.init
 
-    cond = loss_scaled(inner, lossscale.DynamicLossScale(2.0**10), "cond")
+    cond = loss_scaled(
+        inner,
+        lossscale.DynamicLossScale(2.0**10),
+        "cond",
+        require_scaled_by=True,
+    )
     steps = {
         "plain optax, loss scaled by hand": (by_hand, inner.init),
         "lossscale": wrapper(tx),

@@ -97,6 +97,8 @@ html_theme_options = {
     "use_repository_button": True,
     "show_toc_level": 2,
 }
+html_static_path = ["_static"]
+html_css_files = ["tables.css"]
 
 
 def _skip_namedtuple_fields(app, what, name, obj, skip, options):

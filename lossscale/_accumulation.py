@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lossscale import _checks
+from lossscale import _checks, _marks
 
 
 class MultiSteps(optax.MultiSteps):
@@ -39,6 +39,12 @@ class MultiSteps(optax.MultiSteps):
     every later update is skipped (the scale then falls to its minimum).
     This class zeroes the accumulator with a select instead; everything else
     is inherited unchanged.
+
+    The gradients of :func:`lossscale.value_and_grad` reach the wrapped
+    optimizer as an accumulated mean, a new array: this class passes it
+    the scale the micro-batch's gradients were marked with as
+    ``scaled_by`` (unless given one), so that ``loss_scaled`` still
+    refuses unmarked gradients and skips on a stale scale.
     """
 
     def __init__(
@@ -61,6 +67,10 @@ class MultiSteps(optax.MultiSteps):
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, optax.MultiStepsState]:
+        if "scaled_by" not in extra_args:
+            scale = _marks.scale_of(updates)
+            if scale is not None:
+                extra_args = {**extra_args, "scaled_by": scale}
         new_updates, new_state = super().update(
             updates, state, params, **extra_args
         )

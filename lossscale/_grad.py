@@ -15,15 +15,24 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
-from lossscale import _checks, _compat, _inspect, _interop, _tree
+from lossscale import (
+    _checks,
+    _compat,
+    _inspect,
+    _interop,
+    _marks,
+    _scales,
+    _tree,
+)
 from lossscale._scales import LossScale
 
 
 def value_and_grad(
     fun: Callable[..., Any],
-    loss_scale: Any,
+    opt_state: Any,
     *,
     argnums: int | Sequence[int] | Any | None = None,
     has_aux: bool = False,
@@ -54,14 +63,39 @@ def value_and_grad(
     scale is read when ``value_and_grad`` is called, and a function made
     once, outside, would keep using the first step's scale.
 
+    The gradients it returns are *marked* with the scale they were scaled
+    by (and the axes they were averaged over), and ``tx.update`` checks
+    the mark, so that three slips cannot go silently wrong (see the
+    guide's "Guarantees"):
+
+    - gradients that ``value_and_grad`` did not return (plain
+      ``jax.grad``: unscaled) are refused by ``tx.update`` with a
+      ``TypeError``, at trace time;
+    - gradients scaled by another scale than the state ``tx.update`` gets
+      (``value_and_grad`` given an earlier ``opt_state``) skip the step,
+      as a non-finite step does, without adjusting the scale: a check of
+      one scalar on the device;
+    - under ``jax.pmap`` (or a ``shard_map`` with ``check_vma=False``),
+      gradients not averaged over an axis that ``loss_scaled``'s
+      ``axis_name`` names are refused at trace time: pass the axis here.
+
+    The mark belongs to the returned arrays themselves (it is kept, weakly,
+    beside them, and nothing of it is compiled): pass them to ``tx.update``
+    in the same traced function (the jitted step), or both eagerly. An
+    array made from them (a ``lax.pmean``, a sum over micro-batches, the
+    argument of another ``jax.jit``) is unmarked: average with
+    ``axis_name`` here, accumulate with :class:`lossscale.MultiSteps`, or
+    say which scale you used with ``tx.update(..., scaled_by=scale)``.
+
     Args:
         fun: the loss function, returning a floating scalar (or, with
             ``has_aux``, a pair ``(loss, aux)``).
-        loss_scale: the scale to multiply the loss by: a
-            :class:`LossScale` (e.g. ``lossscale.get_loss_scale(opt_state)``)
-            or an optimizer state holding one :class:`LossScaledState`
-            (an optax state, or ``nnx.Optimizer.opt_state``), from which
-            :func:`lossscale.get_loss_scale` takes it. For
+        opt_state: the optimizer state whose scale multiplies the loss:
+            any optax state holding one :class:`LossScaledState` (nested in
+            a chain, or ``nnx.Optimizer.opt_state``), from which
+            :func:`lossscale.get_loss_scale` takes it; or a
+            :class:`LossScale` itself (e.g.
+            ``lossscale.get_loss_scale(opt_state)``). For
             :func:`loss_scaled_by_group` pass the scale of the group the
             loss is in, e.g. ``get_loss_scale(opt_state)["decoder"]``.
         argnums: which positional arguments to differentiate, passed on to
@@ -75,7 +109,8 @@ def value_and_grad(
         axis_name: ``None``, or the mapped axis name (or tuple of names)
             over which to *average* the gradients with ``lax.pmean``, as
             flax's ``DynamicScale.value_and_grad(..., axis_name=...)`` does,
-            under ``jax.pmap`` or ``shard_map``. This is not
+            under ``jax.pmap`` or ``shard_map`` (outside them, the returned
+            function raises a ``ValueError``). This is not
             :func:`loss_scaled`'s ``axis_name``, which all-reduces only the
             finiteness flag so that the devices agree on a skip: a port of
             a flax pmap step names the axis in both. Under a ``shard_map``
@@ -99,11 +134,14 @@ def value_and_grad(
 
     Raises:
         TypeError: if ``fun`` or ``via`` is not callable, ``has_aux`` is not
-            a bool, ``axis_name`` is malformed, or ``loss_scale`` is neither
+            a bool, ``axis_name`` is malformed, or ``opt_state`` is neither
             a loss scale nor an optimizer state holding one (or holds a
-            dict of them: pass one group's).
-        ValueError: if ``loss_scale`` holds several
-            :class:`LossScaledState` s; and, in the returned function, under
+            dict of them: pass one group's); in the returned function, if
+            ``fun`` returns a tuple without ``has_aux=True`` (or anything
+            but a pair with it).
+        ValueError: if ``opt_state`` holds several
+            :class:`LossScaledState` s; and, in the returned function, if
+            ``axis_name`` names an axis that is not mapped there, or under
             a ``shard_map`` with ``check_vma=True``, if a gradient does not
             vary over an axis of ``axis_name`` (see ``axis_name``).
 
@@ -145,7 +183,7 @@ def value_and_grad(
     if not isinstance(has_aux, bool):
         raise TypeError(f"has_aux must be a bool, got has_aux={has_aux!r}.")
     axes = _checks.axis_name(axis_name)
-    scale = _resolve(loss_scale)
+    scale = _resolve(opt_state)
     options: dict[str, Any] = {"has_aux": True}
     if argnums is not None:
         options["argnums"] = argnums
@@ -159,6 +197,12 @@ def value_and_grad(
                     f"got a {type(out).__name__}."
                 )
             loss, aux = out
+        elif isinstance(out, tuple):
+            raise TypeError(
+                f"fun returned a tuple of {len(out)} values, not a scalar "
+                "loss: if it returns (loss, aux), pass has_aux=True to "
+                "lossscale.value_and_grad."
+            )
         else:
             loss, aux = out, None
         # The true loss leaves as an auxiliary output: no second pass, and
@@ -171,31 +215,57 @@ def value_and_grad(
         (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
         if axes is not None:
             grads = _mean_over(grads, axes)
+        names = () if axes is None else axes
+        names = names if isinstance(names, tuple) else (names,)
+        _marks.mark(grads, _scale_value(scale), frozenset(names))
         return ((loss, aux) if has_aux else loss), grads
 
     return loss_and_scaled_grads
 
 
-def _resolve(loss_scale: Any) -> LossScale:
+def _scale_value(scale: LossScale) -> jax.Array:
+    """The float32 scale ``scale.scale`` multiplies by (clamped as used)."""
+    return jnp.asarray(_scales.in_range(scale).loss_scale, jnp.float32)
+
+
+def _pmean(
+    leaf: Any,
+    names: tuple[Hashable, ...],
+    axes: Hashable | tuple[Hashable, ...],
+) -> Any:
+    """``lax.pmean``, with a clear error for an axis nothing maps here."""
+    try:
+        return lax.pmean(leaf, names)
+    except NameError as err:
+        raise ValueError(
+            f"axis_name={axes!r} names an axis that is not mapped here "
+            f"({err}): value_and_grad's axis_name averages the gradients "
+            "over the devices of a jax.shard_map or jax.pmap. Under plain "
+            "jax.jit (any sharding) or eagerly, leave it out: the gradients "
+            "are global there."
+        ) from None
+
+
+def _resolve(opt_state: Any) -> LossScale:
     """The loss scale itself, or the one an optimizer state holds."""
-    if isinstance(loss_scale, type):
+    if isinstance(opt_state, type):
         raise TypeError(
-            "loss_scale must be a loss-scale instance or an optimizer state, "
-            f"got the class {loss_scale.__name__}."
+            "opt_state must be an optimizer state or a loss-scale instance, "
+            f"got the class {opt_state.__name__}."
         )
-    if isinstance(loss_scale, LossScale):
-        return loss_scale
-    if not _inspect._find_states(loss_scale):
+    if isinstance(opt_state, LossScale):
+        return opt_state
+    if not _inspect._find_states(opt_state):
         raise TypeError(
-            "loss_scale must be a lossscale.LossScale (e.g. "
-            "lossscale.get_loss_scale(opt_state)) or an optimizer state "
-            "holding one (made by lossscale.loss_scaled(...).init), got "
-            f"loss_scale of type {type(loss_scale).__name__}."
+            "opt_state must be an optimizer state holding one loss scale "
+            "(made by lossscale.loss_scaled(...).init) or a "
+            "lossscale.LossScale (e.g. lossscale.get_loss_scale(opt_state)), "
+            f"got opt_state of type {type(opt_state).__name__}."
         )
-    scale = _inspect.get_loss_scale(loss_scale)  # ValueError if several
+    scale = _inspect.get_loss_scale(opt_state)  # ValueError if several
     if isinstance(scale, dict):
         raise TypeError(
-            "loss_scale holds one loss scale per group "
+            "opt_state holds one loss scale per group "
             f"({sorted(map(repr, scale))}, from loss_scaled_by_group): pass "
             "the scale of the group the loss is in, e.g. "
             "lossscale.get_loss_scale(opt_state)[label]."
@@ -232,5 +302,5 @@ def _mean_over(grads: Any, axes: Hashable | tuple[Hashable, ...]) -> Any:
                 "ambiguous: leave axis_name out, and lax.pmean the loss "
                 "inside fun for the mean gradient."
             )
-        out.append(lax.pmean(leaf, names))
+        out.append(_pmean(leaf, names, axes))
     return treedef.unflatten(out)

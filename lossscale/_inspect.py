@@ -210,7 +210,8 @@ def nonfinite_paths(
         >>> params = {"dense": {"w": jnp.ones(2), "b": jnp.ones(2)}}
         >>> state = tx.init(params)
         >>> grads = {"dense": {"w": jnp.ones(2), "b": jnp.array([1, jnp.inf])}}
-        >>> _, state = tx.update(grads, state, params)
+        >>> scale = lossscale.get_loss_scale(state)  # grads made by hand
+        >>> _, state = tx.update(grads, state, params, scaled_by=scale)
         >>> lossscale.nonfinite_paths(state, params)
         ["['dense']['b']"]
     """

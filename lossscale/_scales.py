@@ -10,11 +10,13 @@ never traced.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import (
     TYPE_CHECKING,
     Any,
+    ParamSpec,
     Protocol,
     TypeVar,
     cast,
@@ -294,6 +296,44 @@ def _unscale_tree(tree: T, loss_scale: Any) -> T:
     return jax.tree.map(lambda x: _tree.multiply_keep_dtype(x, inv_scale), tree)
 
 
+# Keyword arguments of jmp, flax, PyTorch and Keras, and lossscale's names.
+_OTHER_NAMES = {
+    "period": "growth_interval (jmp's period)",
+    "factor": (
+        "growth_factor and backoff_factor (jmp's factor is both: "
+        "growth_factor=factor, backoff_factor=1 / factor)"
+    ),
+    "counter": "growth_tracker (jmp's counter)",
+    "minimum_scale": "min_loss_scale (flax's minimum_scale)",
+    "scale": "loss_scale, the first argument (flax's scale)",
+    "fin_steps": "growth_tracker (flax's fin_steps)",
+    "init_scale": "loss_scale, the first argument (PyTorch's init_scale)",
+    "initial_scale": "loss_scale, the first argument (Keras's initial_scale)",
+    "dynamic_growth_steps": "growth_interval (Keras's dynamic_growth_steps)",
+    "enabled": "none: use NoOpLossScale() for PyTorch's enabled=False",
+}
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _name_other_libraries(init: Callable[P, R]) -> Callable[P, R]:
+    """Refuses another library's keyword with a ``TypeError`` naming the
+    argument lossscale calls it (Python's own error names neither)."""
+
+    @functools.wraps(init)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+        for name in kwargs:
+            if name in _OTHER_NAMES:
+                raise TypeError(
+                    f"DynamicLossScale has no argument {name!r}: its name "
+                    f"here is {_OTHER_NAMES[name]}."
+                )
+        return init(*args, **kwargs)
+
+    return checked
+
+
 @runtime_checkable
 class LossScale(Protocol):
     """The loss-scale protocol that :func:`lossscale.loss_scaled` accepts.
@@ -520,7 +560,9 @@ class DynamicLossScale:
 
     Raises:
         TypeError: if an argument has the wrong type (e.g. a float
-            ``growth_interval``).
+            ``growth_interval``), or is named as jmp, flax, PyTorch or
+            Keras name it (``period``, ``factor``, ``minimum_scale``,
+            ``init_scale``, ...): the message gives lossscale's name.
         ValueError: if a value is out of range, ``min_loss_scale >
             max_loss_scale`` or the initial scale is outside them.
 
@@ -549,6 +591,7 @@ class DynamicLossScale:
     max_loss_scale: float = _static()
     hysteresis: int = _static()
 
+    @_name_other_libraries
     def __init__(
         self,
         loss_scale: jax.typing.ArrayLike = 2.0**16,

@@ -29,7 +29,15 @@ import numpy as np
 import optax
 from jax import lax
 
-from lossscale import _checks, _compat, _finite, _scales, _skip, _tree
+from lossscale import (
+    _checks,
+    _compat,
+    _finite,
+    _marks,
+    _scales,
+    _skip,
+    _tree,
+)
 from lossscale._scales import LossScale
 
 OnMinScale = Literal["ignore", "error", "count"]
@@ -123,6 +131,7 @@ class _Spec:
     report_nonfinite: bool
     skip_impl: _skip.Impl
     report_grad_norm: bool = False
+    require_scaled_by: bool = True
 
     @property
     def grouped(self) -> bool:
@@ -139,11 +148,27 @@ def loss_scaled(
     min_scale_patience: int = 10,
     report_nonfinite: bool = False,
     report_grad_norm: bool = False,
+    require_scaled_by: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optimizer so that it takes scaled gradients.
 
-    Each ``update(scaled_grads, state, params=None, **extra_args)``:
+    Each ``update(scaled_grads, state, params=None, *, scaled_by=None,
+    **extra_args)``:
 
+    0. checks that ``scaled_grads`` are scaled by the state's current
+       scale: they must be the gradients :func:`lossscale.value_and_grad`
+       returned (which marks them with the scale it used), or come with
+       ``scaled_by``, the scale the loss was multiplied by (a
+       :class:`LossScale` such as ``lossscale.get_loss_scale(opt_state)``
+       or its value; for :func:`loss_scaled_by_group`, a dict of them).
+       Other gradients (plain ``jax.grad``, not scaled at all) raise a
+       ``TypeError`` at trace time, unless ``require_scaled_by=False``.
+       Gradients scaled by another scale than the state's (a stale
+       ``opt_state`` given to ``value_and_grad``) make the step a skipped
+       one, as in 4., and leave the scale unadjusted: a comparison of one
+       scalar on the device. Under ``jax.pmap`` with ``axis_name``,
+       gradients that ``value_and_grad`` did not average over it are
+       refused (a ``ValueError``): the replicas would drift apart;
     1. unscales the gradients with the current scale (in float32; each leaf
        keeps its dtype);
     2. checks them for finiteness, agreed over ``axis_name`` when given;
@@ -232,6 +257,11 @@ def loss_scaled(
             non-finite gradients stops there. Default ``False``: the state
             and the compiled program are then exactly those without the
             option.
+        require_scaled_by: refuse (the default) gradients whose scale
+            ``update`` cannot tell: neither returned by
+            :func:`lossscale.value_and_grad` nor given ``scaled_by``.
+            ``False`` takes them unchecked, as lossscale 0.2 did (marked
+            gradients, and ``scaled_by``, are still checked).
 
     Returns:
         A :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -250,6 +280,10 @@ def loss_scaled(
             overflow), or under ``shard_map`` if the devices could disagree
             on skipping (``axis_name`` does not name a mapped axis over
             which the gradients differ).
+        TypeError: in ``update``, at trace time, for gradients it cannot
+            tell the scale of (see 0.).
+        ValueError: in ``update``, if the gradients' tree structure is not
+            the params'.
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax
@@ -258,12 +292,17 @@ def loss_scaled(
         ...     optax.sgd(1.0), lossscale.DynamicLossScale(2.0**10))
         >>> params = {"w": jnp.array([1.0, 2.0])}
         >>> state = tx.init(params)
-        >>> scale = lossscale.get_loss_scale(state)
-        >>> grads = jax.grad(
-        ...     lambda p: scale.scale(jnp.sum(p["w"] ** 2)))(params)
+        >>> loss_fn = lambda p: jnp.sum(p["w"] ** 2)
+        >>> loss, grads = lossscale.value_and_grad(loss_fn, state)(params)
         >>> updates, state = tx.update(grads, state, params)
         >>> optax.apply_updates(params, updates)["w"]
         Array([-1., -2.], dtype=float32)
+
+        Gradients scaled by hand say by which scale:
+
+        >>> scale = lossscale.get_loss_scale(state)
+        >>> grads = jax.grad(lambda p: scale.scale(loss_fn(p)))(params)
+        >>> updates, state = tx.update(grads, state, params, scaled_by=scale)
 
     References:
         Micikevicius et al., `Mixed Precision Training
@@ -279,6 +318,7 @@ def loss_scaled(
         min_scale_patience=min_scale_patience,
         report_nonfinite=report_nonfinite,
         report_grad_norm=report_grad_norm,
+        require_scaled_by=require_scaled_by,
     )
     return _transformation(spec)
 
@@ -294,6 +334,7 @@ def loss_scaled_by_group(
     min_scale_patience: int = 10,
     report_nonfinite: bool = False,
     report_grad_norm: bool = False,
+    require_scaled_by: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     """Like :func:`loss_scaled`, with an independent loss scale per group.
 
@@ -324,6 +365,11 @@ def loss_scaled_by_group(
         report_nonfinite: as in :func:`loss_scaled`.
         report_grad_norm: as in :func:`loss_scaled`: the norm of every
             group's unscaled gradients together.
+        require_scaled_by: as in :func:`loss_scaled`. With one scale per
+            group, pass ``scaled_by=lossscale.get_loss_scale(opt_state)``
+            (the dict) to ``update``; gradients of
+            :func:`lossscale.value_and_grad` must be marked with one of
+            the groups' scales.
 
     Returns:
         A :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -354,7 +400,8 @@ def loss_scaled_by_group(
         ...         p["enc"] * 1.0,
         ...         scales["enc"].loss_scale / scales["dec"].loss_scale)
         ...     return scales["dec"].scale(h * p["dec"])
-        >>> updates, state = tx.update(jax.grad(loss_fn)(params), state)
+        >>> grads = jax.grad(loss_fn)(params)
+        >>> updates, state = tx.update(grads, state, scaled_by=scales)
         >>> updates
         {'dec': Array(-2., dtype=float32), 'enc': Array(-3., dtype=float32)}
     """
@@ -382,6 +429,7 @@ def loss_scaled_by_group(
         min_scale_patience=min_scale_patience,
         report_nonfinite=report_nonfinite,
         report_grad_norm=report_grad_norm,
+        require_scaled_by=require_scaled_by,
     )
     return _transformation(spec)
 
@@ -457,6 +505,7 @@ def _make_spec(
     min_scale_patience: Any,
     report_nonfinite: Any,
     report_grad_norm: Any = False,
+    require_scaled_by: Any = True,
 ) -> _Spec:
     if on_min_scale not in ("ignore", "error", "count"):
         raise ValueError(
@@ -484,6 +533,11 @@ def _make_spec(
             "report_grad_norm must be a bool, got "
             f"report_grad_norm={report_grad_norm!r}."
         )
+    if not isinstance(require_scaled_by, bool | np.bool_):
+        raise TypeError(
+            "require_scaled_by must be a bool, got "
+            f"require_scaled_by={require_scaled_by!r}."
+        )
     return _Spec(
         inner=_check_inner(inner),
         initial=groups,
@@ -498,6 +552,7 @@ def _make_spec(
         report_nonfinite=bool(report_nonfinite),
         skip_impl=_SKIP_IMPL.get(),
         report_grad_norm=bool(report_grad_norm),
+        require_scaled_by=bool(require_scaled_by),
     )
 
 
@@ -543,6 +598,8 @@ def _transformation(spec: _Spec) -> optax.GradientTransformationExtraArgs:
         updates: optax.Updates,
         state: optax.OptState,
         params: optax.Params | None = None,
+        *,
+        scaled_by: Any = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, LossScaledState]:
         if not isinstance(state, LossScaledState):
@@ -551,7 +608,7 @@ def _transformation(spec: _Spec) -> optax.GradientTransformationExtraArgs:
                 f"transformation's init, got {type(state).__name__}."
             )
         with _gc_paused():
-            return _update(spec, updates, state, params, extra_args)
+            return _update(spec, updates, state, params, scaled_by, extra_args)
 
     # optax.OptState is a tree of ArrayLike leaves, with no room for a None
     # leaf (an empty subtree to JAX), which LossScaledState.nonfinite is
@@ -589,12 +646,22 @@ def _update(
     grads: optax.Updates,
     state: LossScaledState,
     params: optax.Params | None,
+    scaled_by: Any,
     extra_args: dict[str, Any],
 ) -> tuple[optax.Updates, LossScaledState]:
     """One step: unscale, check, update or skip, adjust, count."""
     groups = _groups(spec, state.loss_scale)
+    _check_structure(grads, params)
     plan = _plan(spec, groups, grads)
     _refuse_narrow_gradients(spec, plan)
+    same_scale = _marks.same_scale(
+        plan.leaves,
+        [(plan.paths[i], i) for idx in plan.members.values() for i in idx],
+        groups,
+        scaled_by,
+        axis_name=spec.axis_name,
+        required=spec.require_scaled_by,
+    )
     if spec.report_nonfinite:
         _check_report_size(state, plan)
     unscaled = _Unscaled(plan, groups)
@@ -603,6 +670,8 @@ def _update(
         grad_norm = _grad_norm(plan, unscaled, state.grad_norm)
     group_finite, nonfinite = _decide(spec, plan, unscaled)
     finite = jnp.all(group_finite)
+    if same_scale is not None:
+        finite = jnp.logical_and(finite, same_scale)
     if _compat.is_tracer(finite):
         # Unscale at this level of the trace: values first computed inside
         # the skip's own traces (a jaxpr, a conditional's branches) must not
@@ -616,6 +685,10 @@ def _update(
         like=grads,
     )
     new_groups = _adjust(groups, group_finite)
+    if same_scale is not None:
+        # Gradients scaled by another scale say nothing of this one's
+        # overflow: the scale stays as it was.
+        new_groups = _marks.keep_unless(same_scale, new_groups, groups)
     counters = _next_counters(state, finite)
     min_scale_skips = None
     if spec.on_min_scale != "ignore":
@@ -632,6 +705,22 @@ def _update(
         min_scale_skips=min_scale_skips,
         grad_norm=grad_norm,
     )
+
+
+def _check_structure(grads: Any, params: Any) -> None:
+    """Refuses gradients shaped unlike the params (``None`` leaves match
+    anything: equinox's gradients hold ``None`` for non-arrays)."""
+    if params is None:
+        return
+    none_leaf = lambda x: x is None
+    got = jax.tree.structure(grads, is_leaf=none_leaf)
+    want = jax.tree.structure(gradients_like(params), is_leaf=none_leaf)
+    if got != want:
+        raise ValueError(
+            "the gradients must have the tree structure of the params, got "
+            f"gradients with structure {got} for params with structure "
+            f"{want}."
+        )
 
 
 def _groups(spec: _Spec, loss_scale: Any) -> Groups:

@@ -46,7 +46,9 @@ def main(port: int, process_id: int, init_timeout_s: int = 30) -> None:
     rows = NamedSharding(mesh, P("data"))
 
     tx = lossscale.loss_scaled(
-        optax.adam(0.1), lossscale.DynamicLossScale(256.0)
+        optax.adam(0.1),
+        lossscale.DynamicLossScale(256.0),
+        require_scaled_by=False,
     )
     params = jax.device_put({"w": jnp.ones(3)}, replicated)
     state = jax.jit(tx.init, out_shardings=replicated)(params)

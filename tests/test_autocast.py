@@ -123,7 +123,9 @@ def test_gradients_are_float32_with_the_params_structure(mlp):
 def test_composes_with_loss_scaling(mlp):
     params, x = mlp
     tx = lossscale.loss_scaled(
-        optax.sgd(1.0), lossscale.StaticLossScale(2.0**8)
+        optax.sgd(1.0),
+        lossscale.StaticLossScale(2.0**8),
+        require_scaled_by=False,
     )
     state = tx.init(params)
     scale = lossscale.get_loss_scale(state)
@@ -146,7 +148,9 @@ def test_composes_with_loss_scaling(mlp):
 def test_composes_with_value_and_grad(mlp):
     params, x = mlp
     tx = lossscale.loss_scaled(
-        optax.sgd(1.0), lossscale.StaticLossScale(2.0**8)
+        optax.sgd(1.0),
+        lossscale.StaticLossScale(2.0**8),
+        require_scaled_by=False,
     )
     state = tx.init(params)
     loss = lossscale.autocast(mlp_loss)

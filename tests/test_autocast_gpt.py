@@ -27,7 +27,9 @@ def train_step(hand_cast, compute_dtype):
     model = gpt.make_model(0, config, hand_cast)
     graphdef, params = nnx.split(model, nnx.Param)
     tx = lossscale.loss_scaled(
-        gpt.optimizer(300, config.learning_rate), lossscale.DynamicLossScale()
+        gpt.optimizer(300, config.learning_rate),
+        lossscale.DynamicLossScale(),
+        require_scaled_by=False,
     )
 
     def loss_fn(params, batch):

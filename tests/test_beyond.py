@@ -57,7 +57,7 @@ def test_custom_policy_in_the_wrapper():
         jnp.float32(2.0**10), jnp.int32(0), growth_interval=3
     )
     assert isinstance(policy, lossscale.LossScale)
-    tx = lossscale.loss_scaled(optax.sgd(1.0), policy)
+    tx = lossscale.loss_scaled(optax.sgd(1.0), policy, require_scaled_by=False)
     params = jnp.zeros(2)
     state = tx.init(params)
     update = jax.jit(tx.update)
@@ -79,6 +79,7 @@ class TestHealth:
         return lossscale.loss_scaled(
             optax.sgd(1.0),
             lossscale.DynamicLossScale(4.0, min_loss_scale=1.0),
+            require_scaled_by=False,
             **kwargs,
         )
 
@@ -185,7 +186,9 @@ class TestFloat8:
     @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
     def test_float8_gradients(self, dtype):
         tx = lossscale.loss_scaled(
-            optax.sgd(1.0), lossscale.DynamicLossScale(16.0)
+            optax.sgd(1.0),
+            lossscale.DynamicLossScale(16.0),
+            require_scaled_by=False,
         )
         params = jnp.zeros(2, dtype)
         state = tx.init(params)
@@ -227,7 +230,9 @@ def test_flax_fp8_metadata_untouched_with_train_state():
         apply_fn=model.apply,
         params=variables,
         tx=lossscale.loss_scaled(
-            optax.sgd(0.1), lossscale.StaticLossScale(scale)
+            optax.sgd(0.1),
+            lossscale.StaticLossScale(scale),
+            require_scaled_by=False,
         ),
     )
     # Compiled, not eager: the test is about values, and one compile is
@@ -269,6 +274,7 @@ def test_mask_keeps_fp8_metadata_out_of_unscaling():
         ),
         lossscale.StaticLossScale(2.0**8),
         mask={"params": True, owg: False},
+        require_scaled_by=False,
     )
     state = tx.init(variables)
     grads = jax.grad(lambda v: 2.0**8 * jnp.mean(model.apply(v, x) ** 2))(

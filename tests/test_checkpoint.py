@@ -27,6 +27,7 @@ def make_tx():
         lossscale.DynamicLossScale(
             2.0**8, growth_interval=2, hysteresis=2, min_loss_scale=2.0
         ),
+        require_scaled_by=False,
     )
 
 
@@ -191,6 +192,7 @@ def test_orbax_saves_and_restores_a_state_with_every_option(tmp_path):
         lossscale.DynamicLossScale(),
         report_nonfinite=True,
         on_min_scale="error",
+        require_scaled_by=False,
     )
     state = tx.init(params)
     _, state = jax.jit(tx.update)(
@@ -283,6 +285,7 @@ def test_a_target_with_an_option_the_checkpoint_lacks(tmp_path):
         optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
         lossscale.DynamicLossScale(),
         report_nonfinite=True,
+        require_scaled_by=False,
     )
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(tmp_path / "plain", {"opt": plain})
@@ -311,6 +314,7 @@ def test_a_target_with_an_option_the_checkpoint_lacks(tmp_path):
         optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
         lossscale.DynamicLossScale(),
         on_min_scale="error",
+        require_scaled_by=False,
     )
     restored = serialization.from_bytes(
         alarmed.init(params), serialization.to_bytes(plain)

@@ -16,7 +16,9 @@ S = 2.0**10
 
 def test_clip_inside_matches_clipping_unscaled_by_hand():
     inner = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
-    tx = lossscale.loss_scaled(inner, lossscale.StaticLossScale(S))
+    tx = lossscale.loss_scaled(
+        inner, lossscale.StaticLossScale(S), require_scaled_by=False
+    )
     params = {"a": jnp.zeros(3), "b": jnp.zeros(2)}
     true = {"a": jnp.array([3.0, -4.0, 1.0]), "b": jnp.array([2.0, 0.5])}
     scaled = jax.tree.map(lambda g: g * S, true)
@@ -37,7 +39,9 @@ class TestMultiStepsOutside:
 
     def make(self, k=4, cls=lossscale.MultiSteps):
         wrapped = lossscale.loss_scaled(
-            optax.sgd(1.0), lossscale.DynamicLossScale(S, growth_interval=1)
+            optax.sgd(1.0),
+            lossscale.DynamicLossScale(S, growth_interval=1),
+            require_scaled_by=False,
         )
         return cls(wrapped, every_k_schedule=k)
 
@@ -114,6 +118,7 @@ def test_multisteps_inside_checks_every_micro_batch():
     tx = lossscale.loss_scaled(
         optax.MultiSteps(optax.sgd(1.0), every_k_schedule=2),
         lossscale.DynamicLossScale(S),
+        require_scaled_by=False,
     )
     params = jnp.zeros(2)
     state = tx.init(params)
@@ -131,7 +136,9 @@ def test_multisteps_inside_checks_every_micro_batch():
 
 def test_inject_hyperparams_inner():
     inner = optax.inject_hyperparams(optax.sgd)(learning_rate=1.0)
-    tx = lossscale.loss_scaled(inner, lossscale.StaticLossScale(S))
+    tx = lossscale.loss_scaled(
+        inner, lossscale.StaticLossScale(S), require_scaled_by=False
+    )
     params = jnp.zeros(2)
     state = tx.init(params)
     hp = dict(state.inner_state.hyperparams, learning_rate=jnp.asarray(0.5))
@@ -150,7 +157,9 @@ def test_inject_hyperparams_inner():
 def test_multi_transform_one_scale_per_group():
     def group(scale):
         return lossscale.loss_scaled(
-            optax.sgd(1.0), lossscale.DynamicLossScale(scale, growth_interval=1)
+            optax.sgd(1.0),
+            lossscale.DynamicLossScale(scale, growth_interval=1),
+            require_scaled_by=False,
         )
 
     tx = optax.multi_transform(
@@ -182,7 +191,9 @@ def test_extra_args_reach_reduce_on_plateau():
         optax.sgd(1.0),
         optax.contrib.reduce_on_plateau(patience=0, factor=0.5, cooldown=0),
     )
-    tx = lossscale.loss_scaled(inner, lossscale.StaticLossScale(S))
+    tx = lossscale.loss_scaled(
+        inner, lossscale.StaticLossScale(S), require_scaled_by=False
+    )
     params = jnp.zeros(1)
     state = tx.init(params)
     update = jax.jit(tx.update)
@@ -202,7 +213,12 @@ class TestParamsAsGiven:
     def run_both(self, inner_fn, params, grad_steps, impl):
         """Plain optax on the true gradients vs lossscale on scaled ones."""
         inner = inner_fn()
-        tx = loss_scaled(inner_fn(), lossscale.StaticLossScale(S), impl=impl)
+        tx = loss_scaled(
+            inner_fn(),
+            lossscale.StaticLossScale(S),
+            impl=impl,
+            require_scaled_by=False,
+        )
         plain_step = jax.jit(inner.update)
         step = jax.jit(tx.update)
         plain_state, state = inner.init(params), tx.init(params)
@@ -276,6 +292,7 @@ class TestParamsAsGiven:
             optax.sgd(0.1, momentum=0.9),
             lossscale.StaticLossScale(S),
             impl=impl,
+            require_scaled_by=False,
         )
         state = tx.init(params)
         bad = {"w": jnp.array([jnp.inf, 1.0]), "step": None}

@@ -61,6 +61,7 @@ def test_pmap_every_replica_skips(impl):
             lossscale.DynamicLossScale(256.0),
             axis_name=axis_name,
             impl=impl,
+            require_scaled_by=False,
         )
 
         # Gradients are all-reduced *after* the optimizer here (or never):
@@ -153,6 +154,7 @@ def test_shard_map_sharded_optimizer_state(impl):
             lossscale.DynamicLossScale(256.0),
             axis_name=axis_name,
             impl=impl,
+            require_scaled_by=False,
         )
         state = tx.init(params)
         state_specs = jax.tree.map(lambda _: P(), state)
@@ -204,7 +206,9 @@ def test_shard_map_sharded_optimizer_state(impl):
 def test_shard_map_missing_axis_name_fails_loudly():
     """A replicated scale out of shard_map needs the sync: JAX says so."""
     mesh = mesh1d()
-    tx = lossscale.loss_scaled(optax.sgd(1.0), lossscale.DynamicLossScale())
+    tx = lossscale.loss_scaled(
+        optax.sgd(1.0), lossscale.DynamicLossScale(), require_scaled_by=False
+    )
     params = jnp.ones(N)
     state = tx.init(params)
     specs = jax.tree.map(lambda _: P(), state)
@@ -234,7 +238,10 @@ def test_sharded_jit_needs_no_axis_name(impl):
     sharding = NamedSharding(mesh, P("data", "model"))
     params = jax.device_put({"w": jnp.ones((4, 8))}, sharding)
     tx = loss_scaled(
-        optax.adam(0.1), lossscale.DynamicLossScale(256.0), impl=impl
+        optax.adam(0.1),
+        lossscale.DynamicLossScale(256.0),
+        impl=impl,
+        require_scaled_by=False,
     )
     state = tx.init(params)
     step = jax.jit(
@@ -280,6 +287,7 @@ def test_shard_map_without_vma_checks_needs_every_axis_named():
             optax.sgd(1.0),
             lossscale.StaticLossScale(256.0),
             axis_name=axis_name,
+            require_scaled_by=False,
         )
         state = tx.init(params)
         specs = jax.tree.map(lambda _: P(), state)

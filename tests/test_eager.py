@@ -28,7 +28,9 @@ def test_debug_nans_skipped_overflow_raises_nothing():
     """The overflow that the default 2**16 scale makes at the start."""
     params, grads = params_and_grads()
     bad = dict(grads, w=grads["w"].at[0, 1].set(jnp.inf))
-    tx = lossscale.loss_scaled(optax.adam(1e-2), lossscale.DynamicLossScale())
+    tx = lossscale.loss_scaled(
+        optax.adam(1e-2), lossscale.DynamicLossScale(), require_scaled_by=False
+    )
     state = tx.init(params)
     with jax.debug_nans(True):
         updates, new_state = tx.update(bad, state, params)
@@ -44,7 +46,9 @@ def test_debug_nans_skipped_overflow_raises_nothing():
 
 def test_disable_jit_takes_the_python_branch():
     params, grads = params_and_grads()
-    tx = lossscale.loss_scaled(optax.sgd(1.0), lossscale.StaticLossScale(32.0))
+    tx = lossscale.loss_scaled(
+        optax.sgd(1.0), lossscale.StaticLossScale(32.0), require_scaled_by=False
+    )
 
     @jax.jit
     def step(params, state, grads):
@@ -72,7 +76,9 @@ def test_disable_jit_takes_the_python_branch():
 def test_eager_steps_match_compiled_steps():
     params, grads = params_and_grads()
     tx = lossscale.loss_scaled(
-        optax.adamw(1e-2), lossscale.DynamicLossScale(64.0, growth_interval=2)
+        optax.adamw(1e-2),
+        lossscale.DynamicLossScale(64.0, growth_interval=2),
+        require_scaled_by=False,
     )
     step = jax.jit(tx.update)
     eager_state = compiled_state = tx.init(params)
@@ -100,7 +106,9 @@ def test_eager_skip_keeps_the_structure_the_update_returns():
     params = {"w": jnp.ones(3), "n": jnp.int32(7)}
     bad = {"w": jnp.array([1.0, jnp.nan, 1.0]), "n": None}
     inner = optax.sgd(0.1, momentum=0.9)
-    tx = lossscale.loss_scaled(inner, lossscale.StaticLossScale(1.0))
+    tx = lossscale.loss_scaled(
+        inner, lossscale.StaticLossScale(1.0), require_scaled_by=False
+    )
     state = tx.init(params)
     updates, skipped = tx.update(bad, state, params)
     plain_updates, plain_state = inner.update(
@@ -122,6 +130,7 @@ def test_on_min_scale_error_raises_directly():
         lossscale.StaticLossScale(4.0),
         on_min_scale="error",
         min_scale_patience=2,
+        require_scaled_by=False,
     )
     state = tx.init(params)
     _, state = tx.update(bad, state, params)
@@ -139,7 +148,11 @@ def test_eager_skip_keeps_the_gradients_sharding():
     sharding = NamedSharding(mesh, P("x"))
     params = {"w": jax.device_put(jnp.ones(64), sharding)}
     grads = {"w": jax.device_put(jnp.ones(64).at[3].set(jnp.inf), sharding)}
-    tx = lossscale.loss_scaled(optax.adam(1e-2), lossscale.StaticLossScale(2.0))
+    tx = lossscale.loss_scaled(
+        optax.adam(1e-2),
+        lossscale.StaticLossScale(2.0),
+        require_scaled_by=False,
+    )
     updates, state = tx.update(grads, tx.init(params), params)
     assert not bool(state.grads_finite)
     assert updates["w"].sharding.is_equivalent_to(sharding, 1)
@@ -161,7 +174,10 @@ def test_leaves_committed_to_different_devices():
     }
     assert bool(lossscale.all_finite(grads))
     tx = lossscale.loss_scaled(
-        optax.sgd(1.0), lossscale.DynamicLossScale(4.0), report_nonfinite=True
+        optax.sgd(1.0),
+        lossscale.DynamicLossScale(4.0),
+        report_nonfinite=True,
+        require_scaled_by=False,
     )
     state = tx.init(params)
     updates, state = tx.update(grads, state, params)
@@ -188,7 +204,9 @@ def test_concrete_leaves_closed_over_by_a_traced_function():
     params, grads = {"w": jnp.ones(3)}, {"w": jnp.full(3, 2.0)}
     # A scale below 1: the check reads the unscaled gradients, after the
     # scaled ones where it runs eagerly.
-    tx = lossscale.loss_scaled(optax.sgd(1.0), lossscale.StaticLossScale(0.5))
+    tx = lossscale.loss_scaled(
+        optax.sgd(1.0), lossscale.StaticLossScale(0.5), require_scaled_by=False
+    )
     updates, _ = jax.jit(lambda s: tx.update(grads, s, params))(tx.init(params))
     np.testing.assert_array_equal(updates["w"], np.full(3, -4.0))
 
@@ -224,7 +242,9 @@ def test_pmap_outputs_checked_eagerly():
     assert not bool(lossscale.all_finite(bad))
     assert not bool(lossscale.all_finite({"r": rows, "b": bad}))
     params = {"r": jnp.ones((n, 3))}
-    tx = lossscale.loss_scaled(optax.sgd(1.0), lossscale.DynamicLossScale(2.0))
+    tx = lossscale.loss_scaled(
+        optax.sgd(1.0), lossscale.DynamicLossScale(2.0), require_scaled_by=False
+    )
     updates, state = tx.update({"r": rows}, tx.init(params), params)
     np.testing.assert_array_equal(updates["r"], -np.ones((n, 3)))
     updates, state = tx.update({"r": rows.at[n - 1, 0].set(jnp.inf)}, state)

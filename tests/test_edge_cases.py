@@ -26,19 +26,25 @@ LOOKAHEAD_OPTIONS = {
         optax.lookahead(optax.sgd(1.0), 2, 0.5),
         ls,
         mask={"w": True, "b": False},
+        require_scaled_by=False,
     ),
     "mask_callable": lambda ls: lossscale.loss_scaled(
         optax.lookahead(optax.sgd(1.0), 2, 0.5),
         ls,
         mask=lambda g: {"w": True, "b": False},
+        require_scaled_by=False,
     ),
     "param_labels_tree": lambda ls: lossscale.loss_scaled_by_group(
         optax.lookahead(optax.sgd(1.0), 2, 0.5),
         {"x": ls, "y": ls},
         param_labels={"w": "x", "b": "y"},
+        require_scaled_by=False,
     ),
     "report_nonfinite": lambda ls: lossscale.loss_scaled(
-        optax.lookahead(optax.sgd(1.0), 2, 0.5), ls, report_nonfinite=True
+        optax.lookahead(optax.sgd(1.0), 2, 0.5),
+        ls,
+        report_nonfinite=True,
+        require_scaled_by=False,
     ),
 }
 SCALES = {
@@ -79,6 +85,7 @@ def test_lookahead_mask_mismatch_names_the_params():
         optax.lookahead(optax.sgd(1.0), 2, 0.5),
         lossscale.NoOpLossScale(),
         mask={"w": True, "c": False},
+        require_scaled_by=False,
     )
     with pytest.raises(ValueError, match="params with structure") as info:
         tx.init(lookahead_params())
@@ -87,7 +94,10 @@ def test_lookahead_mask_mismatch_names_the_params():
 
 def test_report_size_error_does_not_call_params_the_gradients():
     tx = lossscale.loss_scaled(
-        optax.sgd(1.0), lossscale.NoOpLossScale(), report_nonfinite=True
+        optax.sgd(1.0),
+        lossscale.NoOpLossScale(),
+        report_nonfinite=True,
+        require_scaled_by=False,
     )
     state = tx.init({"a": jnp.ones(1), "b": jnp.ones(1), "c": jnp.ones(1)})
     with pytest.raises(ValueError, match="sizes it from the params"):
@@ -108,7 +118,10 @@ def test_all_finite_axis_name_eager_and_jit():
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
 def test_update_axis_name_without_a_mapped_axis(jit):
     tx = lossscale.loss_scaled(
-        optax.sgd(1.0), lossscale.StaticLossScale(S), axis_name="batch"
+        optax.sgd(1.0),
+        lossscale.StaticLossScale(S),
+        axis_name="batch",
+        require_scaled_by=False,
     )
     params = jnp.ones(2)
     update = jax.jit(tx.update) if jit else tx.update
@@ -130,7 +143,10 @@ def test_axis_name_under_vmap_still_works():
 
 def _export(on_min_scale):
     tx = lossscale.loss_scaled(
-        optax.sgd(1.0), lossscale.StaticLossScale(S), on_min_scale=on_min_scale
+        optax.sgd(1.0),
+        lossscale.StaticLossScale(S),
+        on_min_scale=on_min_scale,
+        require_scaled_by=False,
     )
     params = jnp.ones(2)
     state = tx.init(params)
@@ -166,6 +182,7 @@ def test_count_never_raises_and_counts_like_error():
             lossscale.DynamicLossScale(2.0, min_loss_scale=1.0),
             on_min_scale=on_min_scale,
             min_scale_patience=3,
+            require_scaled_by=False,
         )
         state = tx.init(jnp.ones(1))
         counts = []
@@ -188,7 +205,10 @@ def test_nonfinite_paths_in_multi_transform_with_the_params():
     params = {"enc": {"w": jnp.ones(2)}, "dec": {"w": jnp.ones(3)}}
     labels = {"enc": {"w": "enc"}, "dec": {"w": "dec"}}
     wrap = lambda s: lossscale.loss_scaled(
-        optax.sgd(1.0), lossscale.StaticLossScale(s), report_nonfinite=True
+        optax.sgd(1.0),
+        lossscale.StaticLossScale(s),
+        report_nonfinite=True,
+        require_scaled_by=False,
     )
     tx = optax.multi_transform({"enc": wrap(4.0), "dec": wrap(8.0)}, labels)
     state = tx.init(params)

@@ -55,17 +55,16 @@ class TestNNX:
     @staticmethod
     @nnx.jit
     def train_step(model, optimizer, x, y):
-        scale = lossscale.get_loss_scale(optimizer.opt_state)
-
         def loss_fn(model):
             pred = model(x).astype(jnp.float32)
             return jnp.mean((pred - y) ** 2)
 
-        loss, grads = nnx.value_and_grad(lambda m: scale.scale(loss_fn(m)))(
-            model
-        )
+        # The marked gradients pass through nnx.Optimizer.update.
+        loss, grads = lossscale.value_and_grad(
+            loss_fn, optimizer.opt_state, via=nnx.value_and_grad
+        )(model)
         optimizer.update(model, grads)
-        return loss / scale.loss_scale, lossscale.metrics(optimizer.opt_state)
+        return loss, lossscale.metrics(optimizer.opt_state)
 
     def test_trains_in_float16(self):
         model, optimizer = self.make()
@@ -128,13 +127,14 @@ def test_linen_train_state():
 
     @jax.jit
     def step(state, x, y):
-        scale = lossscale.get_loss_scale(state.opt_state)
-
         def loss_fn(params):
             pred = state.apply_fn(params, x).astype(jnp.float32)
-            return scale.scale(jnp.mean((pred - y) ** 2))
+            return jnp.mean((pred - y) ** 2)
 
-        grads = jax.grad(loss_fn)(state.params)
+        # The marked gradients pass through TrainState.apply_gradients.
+        _, grads = lossscale.value_and_grad(loss_fn, state.opt_state)(
+            state.params
+        )
         return state.apply_gradients(grads=grads)
 
     state = step(state, x, y)

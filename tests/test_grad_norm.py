@@ -41,6 +41,7 @@ def test_exact_norm_and_skip(jit):
         optax.sgd(1.0),
         lossscale.DynamicLossScale(SCALE),
         report_grad_norm=True,
+        require_scaled_by=False,
     )
     state = tx.init(params_like(grads))
     assert float(lossscale.metrics(state)["grad_norm"]) == 0.0
@@ -63,7 +64,10 @@ def test_float16_gradients_norm_in_float32():
     # 300**2 overflows float16; the squares are summed in float32.
     grads = {"a": jnp.full((4,), 300.0, jnp.float16)}
     tx = lossscale.loss_scaled(
-        optax.sgd(1.0), lossscale.StaticLossScale(4.0), report_grad_norm=True
+        optax.sgd(1.0),
+        lossscale.StaticLossScale(4.0),
+        report_grad_norm=True,
+        require_scaled_by=False,
     )
     state = tx.init(params_like(grads))
     _, state = jax.jit(tx.update)(scaled(grads, 4.0), state)
@@ -77,6 +81,7 @@ def test_masked_and_integer_leaves_are_not_counted():
         lossscale.StaticLossScale(SCALE),
         mask={"a": True, "b": True, "meta": False, "n": True},
         report_grad_norm=True,
+        require_scaled_by=False,
     )
     state = tx.init(params_like(grads))
     g = {**scaled(true_grads()), "meta": grads["meta"], "n": grads["n"]}
@@ -94,6 +99,7 @@ def test_by_group():
         },
         param_labels={"a": "a", "b": "b"},
         report_grad_norm=True,
+        require_scaled_by=False,
     )
     state = tx.init(params_like(grads))
     g = {"a": scaled(grads["a"], 2.0), "b": scaled(grads["b"], 64.0)}
@@ -104,7 +110,10 @@ def test_by_group():
 def test_nested_in_chain_and_multisteps():
     grads = true_grads()
     inner = lossscale.loss_scaled(
-        optax.sgd(1.0), lossscale.StaticLossScale(SCALE), report_grad_norm=True
+        optax.sgd(1.0),
+        lossscale.StaticLossScale(SCALE),
+        report_grad_norm=True,
+        require_scaled_by=False,
     )
     tx = optax.chain(optax.identity(), inner)
     state = tx.init(params_like(grads))
@@ -116,15 +125,21 @@ def test_off_by_default_state_and_program_unchanged():
     grads = true_grads()
     params = params_like(grads)
     off = lossscale.loss_scaled(
-        optax.sgd(1.0), lossscale.DynamicLossScale(SCALE)
+        optax.sgd(1.0),
+        lossscale.DynamicLossScale(SCALE),
+        require_scaled_by=False,
     )
     off2 = lossscale.loss_scaled(
         optax.sgd(1.0),
         lossscale.DynamicLossScale(SCALE),
         report_grad_norm=False,
+        require_scaled_by=False,
     )
     on = lossscale.loss_scaled(
-        optax.sgd(1.0), lossscale.DynamicLossScale(SCALE), report_grad_norm=True
+        optax.sgd(1.0),
+        lossscale.DynamicLossScale(SCALE),
+        report_grad_norm=True,
+        require_scaled_by=False,
     )
     s_off, s_on = off.init(params), on.init(params)
     assert s_off.grad_norm is None
@@ -154,12 +169,17 @@ def test_bad_option_and_old_state():
         lossscale.loss_scaled(
             optax.sgd(1.0),
             lossscale.NoOpLossScale(),
-            report_grad_norm=1,  # type: ignore[arg-type]
+            report_grad_norm=1,  # type: ignore[arg-type], require_scaled_by=False
         )
     grads = true_grads()
-    off = lossscale.loss_scaled(optax.sgd(1.0), lossscale.NoOpLossScale())
+    off = lossscale.loss_scaled(
+        optax.sgd(1.0), lossscale.NoOpLossScale(), require_scaled_by=False
+    )
     on = lossscale.loss_scaled(
-        optax.sgd(1.0), lossscale.NoOpLossScale(), report_grad_norm=True
+        optax.sgd(1.0),
+        lossscale.NoOpLossScale(),
+        report_grad_norm=True,
+        require_scaled_by=False,
     )
     with pytest.raises(ValueError, match="grad_norm is None"):
         on.update(grads, off.init(params_like(grads)))
@@ -192,6 +212,7 @@ def test_shard_map_sharded_and_replicated_leaves():
         lossscale.StaticLossScale(SCALE),
         axis_name="d",
         report_grad_norm=True,
+        require_scaled_by=False,
     )
     state = tx.init(params_like(grads))
     specs = jax.tree.map(lambda _: P(), state)
@@ -225,6 +246,7 @@ def test_pmap_replicated_gradients_count_once():
         lossscale.StaticLossScale(SCALE),
         axis_name="b",
         report_grad_norm=True,
+        require_scaled_by=False,
     )
     grads = true_grads()
     state = tx.init(params_like(grads))
@@ -254,6 +276,7 @@ def test_shard_map_unchecked_counts_every_leaf_once():
         lossscale.StaticLossScale(SCALE),
         axis_name="d",
         report_grad_norm=True,
+        require_scaled_by=False,
     )
     state = tx.init(params_like(grads))
     specs = jax.tree.map(lambda _: P(), state)

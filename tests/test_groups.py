@@ -99,9 +99,12 @@ def make_tx(grouped):
                 "dec": lossscale.DynamicLossScale(2.0**20, growth_interval=10),
             },
             param_labels={"enc": "enc", "dec": "dec"},
+            require_scaled_by=False,
         )
     return lossscale.loss_scaled(
-        inner, lossscale.DynamicLossScale(2.0**20, growth_interval=10)
+        inner,
+        lossscale.DynamicLossScale(2.0**20, growth_interval=10),
+        require_scaled_by=False,
     )
 
 
@@ -163,6 +166,7 @@ def test_group_semantics_exact():
             "b": lossscale.DynamicLossScale(64.0, growth_interval=1),
         },
         param_labels=lambda p: {"x": "a", "y": "b"},
+        require_scaled_by=False,
     )
     params = {"x": jnp.zeros(2), "y": jnp.zeros(2)}
     state = tx.init(params)
@@ -207,15 +211,25 @@ def test_rescale_gradient():
 def test_group_errors():
     inner, ls = optax.sgd(1.0), lossscale.NoOpLossScale()
     with pytest.raises(TypeError, match="loss_scales must be a non-empty dict"):
-        lossscale.loss_scaled_by_group(inner, {}, {"a": "x"})
+        lossscale.loss_scaled_by_group(
+            inner, {}, {"a": "x"}, require_scaled_by=False
+        )
     with pytest.raises(TypeError, match=r"loss_scales\['x'\] must implement"):
-        lossscale.loss_scaled_by_group(inner, {"x": 2.0}, {"a": "x"})
+        lossscale.loss_scaled_by_group(
+            inner, {"x": 2.0}, {"a": "x"}, require_scaled_by=False
+        )
     with pytest.raises(TypeError, match="param_labels must be"):
-        lossscale.loss_scaled_by_group(inner, {"x": ls}, None)
-    tx = lossscale.loss_scaled_by_group(inner, {"x": ls}, {"a": "x", "b": "y"})
+        lossscale.loss_scaled_by_group(
+            inner, {"x": ls}, None, require_scaled_by=False
+        )
+    tx = lossscale.loss_scaled_by_group(
+        inner, {"x": ls}, {"a": "x", "b": "y"}, require_scaled_by=False
+    )
     with pytest.raises(ValueError, match="not keys of loss_scales"):
         tx.init({"a": jnp.ones(1), "b": jnp.ones(1)})
-    tx = lossscale.loss_scaled_by_group(inner, {"x": ls}, {"a": "x"})
+    tx = lossscale.loss_scaled_by_group(
+        inner, {"x": ls}, {"a": "x"}, require_scaled_by=False
+    )
     with pytest.raises(
         ValueError, match="param_labels must have the structure"
     ):

@@ -48,6 +48,7 @@ def test_names_the_leaves_that_overflowed(impl):
         lossscale.DynamicLossScale(2.0**4),
         report_nonfinite=True,
         impl=impl,
+        require_scaled_by=False,
     )
     step = jax.jit(tx.update)
     state = tx.init(p)
@@ -76,7 +77,9 @@ def test_names_the_leaves_that_overflowed(impl):
 
 def test_off_by_default_changes_nothing():
     p = params()
-    plain = lossscale.loss_scaled(optax.adam(1e-3), lossscale.NoOpLossScale())
+    plain = lossscale.loss_scaled(
+        optax.adam(1e-3), lossscale.NoOpLossScale(), require_scaled_by=False
+    )
     state = plain.init(p)
     assert state.nonfinite is None
     assert "nonfinite_leaves" not in lossscale.metrics(state)
@@ -89,10 +92,16 @@ def test_off_by_default_changes_nothing():
         return jax.jit(tx.update).lower(grads, tx.init(p), p).as_text()
 
     off = lossscale.loss_scaled(
-        optax.adam(1e-3), lossscale.NoOpLossScale(), report_nonfinite=False
+        optax.adam(1e-3),
+        lossscale.NoOpLossScale(),
+        report_nonfinite=False,
+        require_scaled_by=False,
     )
     on = lossscale.loss_scaled(
-        optax.adam(1e-3), lossscale.NoOpLossScale(), report_nonfinite=True
+        optax.adam(1e-3),
+        lossscale.NoOpLossScale(),
+        report_nonfinite=True,
+        require_scaled_by=False,
     )
     assert hlo(off) == hlo(plain)
     assert hlo(on) != hlo(plain)  # control: the option does change it
@@ -105,6 +114,7 @@ def test_masked_leaves_are_not_reported():
         lossscale.StaticLossScale(1.0),
         mask={"a": True, "meta": False},
         report_nonfinite=True,
+        require_scaled_by=False,
     )
     bad = {"a": jnp.array([1.0, jnp.nan, 1.0]), "meta": jnp.full(2, jnp.inf)}
     _, state = jax.jit(tx.update)(bad, tx.init(p), p)
@@ -121,6 +131,7 @@ def test_groups_report_across_groups():
         },
         param_labels={"enc": "e", "dec": "d"},
         report_nonfinite=True,
+        require_scaled_by=False,
     )
     bad = {"enc": jnp.ones(3) * 2, "dec": jnp.array([8.0, jnp.inf])}
     _, state = jax.jit(tx.update)(bad, tx.init(p), p)
@@ -130,7 +141,10 @@ def test_groups_report_across_groups():
 def test_wrong_tree_is_a_clear_error():
     p = {"a": jnp.ones(3), "b": jnp.ones(2)}
     tx = lossscale.loss_scaled(
-        optax.sgd(0.1), lossscale.NoOpLossScale(), report_nonfinite=True
+        optax.sgd(0.1),
+        lossscale.NoOpLossScale(),
+        report_nonfinite=True,
+        require_scaled_by=False,
     )
     state = tx.init(p)
     with pytest.raises(ValueError, match="1 leaves, but the gradients had 2"):
@@ -146,6 +160,7 @@ def reporting_sgd(axis_name=None):
         lossscale.StaticLossScale(1.0),
         axis_name=axis_name,
         report_nonfinite=True,
+        require_scaled_by=False,
     )
 
 
@@ -220,7 +235,10 @@ def test_a_float_param_with_a_none_gradient():
     """A frozen leaf's gradient is None: the flags still line up."""
     p = {"w": jnp.ones(2), "frozen": jnp.ones(3), "b": jnp.ones(2)}
     tx = lossscale.loss_scaled(
-        optax.sgd(0.1), lossscale.StaticLossScale(2.0), report_nonfinite=True
+        optax.sgd(0.1),
+        lossscale.StaticLossScale(2.0),
+        report_nonfinite=True,
+        require_scaled_by=False,
     )
     bad = {"w": jnp.ones(2), "frozen": None, "b": jnp.array([1.0, jnp.inf])}
     _, state = jax.jit(tx.update)(bad, tx.init(p), p)

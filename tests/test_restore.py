@@ -54,15 +54,17 @@ def build(name, option):
             optax.sgd(1.0),
             {"x": CONFIGS[name](), "y": CONFIGS[name]()},
             param_labels={"a": "x", "b": "y"},
+            require_scaled_by=False,
         ), params
     kwargs = {
         "plain": {},
         "mask": {"mask": {"a": True, "b": True}},
         "report_nonfinite": {"report_nonfinite": True},
     }[option]
-    return lossscale.loss_scaled(optax.sgd(1.0), CONFIGS[name](), **kwargs), (
-        params
+    tx = lossscale.loss_scaled(
+        optax.sgd(1.0), CONFIGS[name](), require_scaled_by=False, **kwargs
     )
+    return tx, params
 
 
 def saved_blob(name, option):
@@ -167,9 +169,12 @@ def test_issue_repro_scale_below_the_targets_floor():
     saved = lossscale.loss_scaled(
         optax.sgd(1.0),
         lossscale.DynamicLossScale(2.0**-4, min_loss_scale=2.0**-8),
+        require_scaled_by=False,
     )
     blob = flax.serialization.to_bytes(saved.init(params))
-    tx = lossscale.loss_scaled(optax.sgd(1.0), lossscale.DynamicLossScale(1.0))
+    tx = lossscale.loss_scaled(
+        optax.sgd(1.0), lossscale.DynamicLossScale(1.0), require_scaled_by=False
+    )
     state = flax.serialization.from_bytes(tx.init(params), blob)
     assert float(state.loss_scale.loss_scale) == 2.0**-4  # the raw leaf
     assert float(lossscale.get_loss_scale(state).loss_scale) == 1.0  # used
@@ -187,10 +192,16 @@ def test_issue_repro_scale_below_the_targets_floor():
 def test_hysteresis_tracker_from_a_larger_hysteresis():
     params = jnp.ones(2)
     saved = lossscale.loss_scaled(
-        optax.sgd(1.0), lossscale.DynamicLossScale(64.0, hysteresis=3)
+        optax.sgd(1.0),
+        lossscale.DynamicLossScale(64.0, hysteresis=3),
+        require_scaled_by=False,
     )
     blob = flax.serialization.to_bytes(saved.init(params))
-    tx = lossscale.loss_scaled(optax.sgd(1.0), lossscale.DynamicLossScale(64.0))
+    tx = lossscale.loss_scaled(
+        optax.sgd(1.0),
+        lossscale.DynamicLossScale(64.0),
+        require_scaled_by=False,
+    )
     state = flax.serialization.from_bytes(tx.init(params), blob)
     assert int(state.loss_scale.hysteresis_tracker) == 3  # restored as is
     step = jax.jit(tx.update)
@@ -222,7 +233,9 @@ def test_adjust_and_scale_clamp_a_hand_made_state():
 
 
 def _state_with(scale):
-    tx = lossscale.loss_scaled(optax.sgd(1.0), lossscale.StaticLossScale(2.0))
+    tx = lossscale.loss_scaled(
+        optax.sgd(1.0), lossscale.StaticLossScale(2.0), require_scaled_by=False
+    )
     return tx.init(jnp.ones(1))._replace(loss_scale=scale)
 
 
@@ -230,7 +243,9 @@ def test_static_scale_below_one_is_checked_unscaled_under_jit():
     # A StaticLossScale whose leaf was set to 2**-4 after construction: the
     # trace does not show its value, so the unscaled gradients decide.
     tx = lossscale.loss_scaled(
-        optax.sgd(1.0), lossscale.StaticLossScale(2.0**10)
+        optax.sgd(1.0),
+        lossscale.StaticLossScale(2.0**10),
+        require_scaled_by=False,
     )
     params = jnp.ones(2)
     state = tx.init(params)
@@ -251,12 +266,15 @@ class TestCompareConfig:
             lossscale.DynamicLossScale(
                 2.0**-4, min_loss_scale=2.0**-8, growth_interval=50
             ),
+            require_scaled_by=False,
         )
         state = old.init(params)
         for _ in range(20):
             _, state = old.update(params, state, params)
         new = lossscale.loss_scaled(
-            optax.sgd(1.0), lossscale.DynamicLossScale(1.0, growth_interval=10)
+            optax.sgd(1.0),
+            lossscale.DynamicLossScale(1.0, growth_interval=10),
+            require_scaled_by=False,
         )
         restored = flax.serialization.from_bytes(
             new.init(params), flax.serialization.to_bytes(state)
@@ -281,6 +299,7 @@ class TestCompareConfig:
             optax.sgd(1e-3, momentum=0.9),
             lossscale.DynamicLossScale(hysteresis=2),
             report_nonfinite=True,
+            require_scaled_by=False,
         )
         state = tx.init({"w": jnp.ones(3)})
         for g in (1.0, jnp.inf, 1.0):
@@ -301,10 +320,14 @@ class TestCompareConfig:
     def test_limits_a_factor_change_needs_the_saved_config(self):
         params = jnp.ones(2)
         old = lossscale.loss_scaled(
-            optax.sgd(1.0), lossscale.DynamicLossScale(backoff_factor=0.25)
+            optax.sgd(1.0),
+            lossscale.DynamicLossScale(backoff_factor=0.25),
+            require_scaled_by=False,
         )
         new = lossscale.loss_scaled(
-            optax.sgd(1.0), lossscale.DynamicLossScale(backoff_factor=0.5)
+            optax.sgd(1.0),
+            lossscale.DynamicLossScale(backoff_factor=0.5),
+            require_scaled_by=False,
         )
         saved = old.init(params)
         restored = flax.serialization.from_bytes(
@@ -321,6 +344,7 @@ class TestCompareConfig:
                 optax.sgd(1.0),
                 {"enc": enc, "dec": lossscale.StaticLossScale(4.0)},
                 param_labels={"a": "enc", "b": "dec"},
+                require_scaled_by=False,
             )
 
         params = {"a": jnp.ones(1), "b": jnp.ones(1)}
@@ -341,7 +365,9 @@ class TestCompareConfig:
         ]
 
     def test_bad_saved_config(self):
-        tx = lossscale.loss_scaled(optax.sgd(1.0), lossscale.NoOpLossScale())
+        tx = lossscale.loss_scaled(
+            optax.sgd(1.0), lossscale.NoOpLossScale(), require_scaled_by=False
+        )
         with pytest.raises(TypeError, match="saved_config"):
             lossscale.compare_config(tx.init(jnp.ones(1)), "abc")
 
@@ -372,7 +398,9 @@ class FloorPolicy:
 def test_own_policy_below_its_claimed_floor_is_checked_unscaled():
     # Its leaves are not clamped (lossscale cannot know its ranges), so the
     # attribute does not let the scaled float16 gradients decide.
-    tx = lossscale.loss_scaled(optax.sgd(1.0), FloorPolicy(jnp.float32(4.0)))
+    tx = lossscale.loss_scaled(
+        optax.sgd(1.0), FloorPolicy(jnp.float32(4.0)), require_scaled_by=False
+    )
     params = jnp.ones(2, jnp.float16)
     state = tx.init(params)
     state = state._replace(loss_scale=FloorPolicy(jnp.float32(2.0**-4)))
@@ -385,7 +413,9 @@ def test_own_policy_below_its_claimed_floor_is_checked_unscaled():
 def test_an_ensembles_restored_leaves_are_clamped_element_wise():
     # flax restores numpy leaves; a vmap-ped ensemble's have a batch axis.
     tx = lossscale.loss_scaled(
-        optax.sgd(1.0), lossscale.DynamicLossScale(4.0, hysteresis=2)
+        optax.sgd(1.0),
+        lossscale.DynamicLossScale(4.0, hysteresis=2),
+        require_scaled_by=False,
     )
     params = jnp.ones((3, 2))
     state = jax.vmap(tx.init)(params)

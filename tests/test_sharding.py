@@ -150,6 +150,7 @@ def test_train_step_on_a_mesh(axis_type, layout, impl):
         optax.adamw(1e-2, weight_decay=0.1),
         lossscale.StaticLossScale(SCALE),
         impl=impl,
+        require_scaled_by=False,
     )
 
     def step(params, state, grads):
@@ -231,6 +232,7 @@ def test_exports_for_gpu_and_tpu_under_explicit_sharding():
     tx = lossscale.loss_scaled(
         optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
         lossscale.DynamicLossScale(SCALE),
+        require_scaled_by=False,
     )
 
     def step(params, state, grads):
@@ -256,7 +258,10 @@ def test_state_whose_sharding_changes_in_the_update(impl):
     mesh = explicit_mesh((8,), ("x",))
     inner = optax.adam(1e-2)
     tx = loss_scaled(
-        optax.adam(1e-2), lossscale.StaticLossScale(2.0), impl=impl
+        optax.adam(1e-2),
+        lossscale.StaticLossScale(2.0),
+        impl=impl,
+        require_scaled_by=False,
     )
 
     def make_step(opt):

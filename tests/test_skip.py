@@ -72,7 +72,12 @@ def reference(grads, state):
 
 @pytest.mark.parametrize("impl", ["select", "cond"])
 def test_every_kind_of_state_leaf(impl):
-    tx = loss_scaled(odd_optimizer(), lossscale.StaticLossScale(4.0), impl=impl)
+    tx = loss_scaled(
+        odd_optimizer(),
+        lossscale.StaticLossScale(4.0),
+        impl=impl,
+        require_scaled_by=False,
+    )
     params = jnp.zeros(3, jnp.float32)
     state = tx.init(params)
     step = jax.jit(tx.update)
@@ -182,7 +187,9 @@ def naive_select(inner):
 
 def test_default_skip_copies_no_state_and_adds_no_buffer():
     inner = optax.adam(1e-3)
-    tx = lossscale.loss_scaled(inner, lossscale.DynamicLossScale())
+    tx = lossscale.loss_scaled(
+        inner, lossscale.DynamicLossScale(), require_scaled_by=False
+    )
     copies, temp = compiled_step(tx.update, tx.init)
     assert copies == 0
     # Only the finiteness check's per-block flags: 1/16 byte per element.
@@ -192,14 +199,21 @@ def test_default_skip_copies_no_state_and_adds_no_buffer():
     # Adam's state, and the conditional materialises the updates.
     copies, temp = compiled_step(naive_select(inner), inner.init)
     assert copies >= LEAVES
-    cond = loss_scaled(inner, lossscale.DynamicLossScale(), impl="cond")
+    cond = loss_scaled(
+        inner,
+        lossscale.DynamicLossScale(),
+        impl="cond",
+        require_scaled_by=False,
+    )
     copies, temp = compiled_step(cond.update, cond.init)
     assert temp >= 1.0
 
 
 def hlo_size(leaves: int) -> int:
     params = {f"w{i:03d}": jnp.ones(64, jnp.float32) for i in range(leaves)}
-    tx = lossscale.loss_scaled(optax.adam(1e-3), lossscale.DynamicLossScale())
+    tx = lossscale.loss_scaled(
+        optax.adam(1e-3), lossscale.DynamicLossScale(), require_scaled_by=False
+    )
 
     def step(params, state, grads):
         updates, state = tx.update(grads, state, params)
@@ -339,7 +353,10 @@ def test_optax_zoo(name):
     runs = {}
     for impl in ("select", "cond"):
         tx = loss_scaled(
-            ZOO[name](), lossscale.StaticLossScale(64.0), impl=impl
+            ZOO[name](),
+            lossscale.StaticLossScale(64.0),
+            impl=impl,
+            require_scaled_by=False,
         )
 
         @jax.jit
@@ -423,7 +440,9 @@ def test_optax_zoo_temp_memory(name):
 
     inner = ZOO[name]()
     plain = temp(inner.update, inner.init, params)
-    tx = lossscale.loss_scaled(ZOO[name](), lossscale.StaticLossScale(64.0))
+    tx = lossscale.loss_scaled(
+        ZOO[name](), lossscale.StaticLossScale(64.0), require_scaled_by=False
+    )
     ours = temp(tx.update, tx.init, jax.tree.map(lambda p: p * 64.0, params))
     allowed = plain + 0.01 + MORE_BUFFERS.get(name, 0.0)
     assert ours <= allowed, (ours, plain)
@@ -434,14 +453,16 @@ def test_falls_back_to_the_conditional_if_jax_internals_change(monkeypatch):
     params = {"w": jnp.arange(3.0)}
     grads = {"w": jnp.array([64.0, -128.0, 32.0])}
     ls = lossscale.StaticLossScale(64.0)
-    cond = loss_scaled(optax.adam(0.1), ls, impl="cond")
+    cond = loss_scaled(
+        optax.adam(0.1), ls, impl="cond", require_scaled_by=False
+    )
     want_u, want_s = jax.jit(cond.update)(grads, cond.init(params), params)
 
     def moved(eqn, invals):
         raise AttributeError("'JaxprEqn' object has no attribute 'params'")
 
     monkeypatch.setattr(_compat, "bind_equation", moved)
-    tx = lossscale.loss_scaled(optax.adam(0.1), ls)
+    tx = lossscale.loss_scaled(optax.adam(0.1), ls, require_scaled_by=False)
     with pytest.warns(RuntimeWarning, match="copy-free skip"):
         u, s = jax.jit(tx.update)(grads, tx.init(params), params)
     np.testing.assert_array_equal(u["w"], want_u["w"])
@@ -452,7 +473,9 @@ def test_falls_back_to_the_conditional_if_jax_internals_change(monkeypatch):
 
 def test_errors_of_the_inner_update_are_not_taken_for_jax_changes():
     """A wrong call still fails as itself (no fallback, no warning)."""
-    tx = lossscale.loss_scaled(optax.adam(0.1), lossscale.StaticLossScale(2.0))
+    tx = lossscale.loss_scaled(
+        optax.adam(0.1), lossscale.StaticLossScale(2.0), require_scaled_by=False
+    )
     state = tx.init({"w": jnp.ones(3)})
     grads = {"w": jnp.ones(3), "extra": jnp.ones(2)}
     with pytest.raises((ValueError, TypeError)) as info:

@@ -61,6 +61,7 @@ def run(inject_rate, seed=0):
             min_loss_scale=MIN_SCALE,
             max_loss_scale=MAX_SCALE,
         ),
+        require_scaled_by=False,
     )
     params = init_params(jax.random.key(seed))
 

@@ -13,7 +13,8 @@ SKIP_IMPLS = ["select", "cond"]
 
 
 def make(inner, ls, impl, **kwargs):
-    return loss_scaled(inner, ls, impl=impl, **kwargs)
+    """The optimizer these tests feed hand-made scaled gradients to."""
+    return loss_scaled(inner, ls, impl=impl, require_scaled_by=False, **kwargs)
 
 
 @pytest.mark.parametrize("impl", SKIP_IMPLS)
@@ -226,7 +227,9 @@ class TestUpdate:
 class TestInitAndInspect:
     def test_init_state(self):
         tx = lossscale.loss_scaled(
-            optax.adam(1e-3), lossscale.DynamicLossScale()
+            optax.adam(1e-3),
+            lossscale.DynamicLossScale(),
+            require_scaled_by=False,
         )
         state = tx.init({"w": jnp.ones(2)})
         assert isinstance(state, lossscale.LossScaledState)
@@ -237,7 +240,9 @@ class TestInitAndInspect:
 
     def test_init_on_shape_dtype_structs(self):
         tx = lossscale.loss_scaled(
-            optax.adam(1e-3), lossscale.DynamicLossScale()
+            optax.adam(1e-3),
+            lossscale.DynamicLossScale(),
+            require_scaled_by=False,
         )
         abstract = {"w": jax.ShapeDtypeStruct((3,), jnp.float32)}
         shapes = jax.eval_shape(tx.init, abstract)
@@ -247,14 +252,16 @@ class TestInitAndInspect:
     def test_get_loss_scale_through_wrappers(self):
         ls = lossscale.DynamicLossScale(64.0)
         params = {"a": jnp.ones(2), "b": jnp.ones(2)}
-        wrapped = lossscale.loss_scaled(optax.adam(1e-3), ls)
+        wrapped = lossscale.loss_scaled(
+            optax.adam(1e-3), ls, require_scaled_by=False
+        )
         for tx in (
             wrapped,
             optax.chain(optax.clip(1.0), wrapped),
             optax.MultiSteps(wrapped, every_k_schedule=2),
             optax.inject_hyperparams(
                 lambda learning_rate: lossscale.loss_scaled(
-                    optax.sgd(learning_rate), ls
+                    optax.sgd(learning_rate), ls, require_scaled_by=False
                 )
             )(learning_rate=0.1),
             optax.multi_transform(
@@ -275,19 +282,25 @@ class TestInitAndInspect:
         with pytest.raises(ValueError, match="found no LossScaledState"):
             lossscale.get_loss_scale(optax.adam(1e-3).init(params))
         wrapped = lossscale.loss_scaled(
-            optax.sgd(1.0), lossscale.NoOpLossScale()
+            optax.sgd(1.0), lossscale.NoOpLossScale(), require_scaled_by=False
         )
         tx = optax.multi_transform(
             {"x": wrapped, "y": wrapped}, {"a": "x", "b": "y"}
         )
         with pytest.raises(ValueError, match="found 2 LossScaledStates"):
             lossscale.get_loss_scale(tx.init(params))
-        nested = lossscale.loss_scaled(wrapped, lossscale.NoOpLossScale())
+        nested = lossscale.loss_scaled(
+            wrapped, lossscale.NoOpLossScale(), require_scaled_by=False
+        )
         with pytest.raises(ValueError, match="inner_state"):
             lossscale.metrics(nested.init(params))
 
     def test_metrics_keys_and_dtypes(self):
-        tx = lossscale.loss_scaled(optax.sgd(1.0), lossscale.DynamicLossScale())
+        tx = lossscale.loss_scaled(
+            optax.sgd(1.0),
+            lossscale.DynamicLossScale(),
+            require_scaled_by=False,
+        )
         m = lossscale.metrics(tx.init(jnp.ones(1)))
         assert {k: str(v.dtype) for k, v in m.items()} == {
             "loss_scale": "float32",

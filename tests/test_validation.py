@@ -138,7 +138,7 @@ LS = lossscale.NoOpLossScale()
 )
 def test_loss_scaled_bad_inner(inner):
     with pytest.raises(TypeError, match="inner must be an optax"):
-        lossscale.loss_scaled(inner, LS)
+        lossscale.loss_scaled(inner, LS, require_scaled_by=False)
 
 
 @pytest.mark.parametrize(
@@ -151,7 +151,7 @@ def test_loss_scaled_bad_inner(inner):
 )
 def test_loss_scaled_bad_loss_scale(ls, message):
     with pytest.raises(TypeError, match=message):
-        lossscale.loss_scaled(INNER, ls)
+        lossscale.loss_scaled(INNER, ls, require_scaled_by=False)
 
 
 @pytest.mark.parametrize(
@@ -173,7 +173,9 @@ def test_loss_scaled_bad_loss_scale(ls, message):
 )
 def test_bad_axis_name(axis_name, error):
     with pytest.raises(error, match="axis_name") as info:
-        lossscale.loss_scaled(INNER, LS, axis_name=axis_name)
+        lossscale.loss_scaled(
+            INNER, LS, axis_name=axis_name, require_scaled_by=False
+        )
     assert repr(axis_name) in str(info.value)
     with pytest.raises(error, match="axis_name"):
         lossscale.all_finite(jnp.ones(1), axis_name=axis_name)
@@ -182,28 +184,34 @@ def test_bad_axis_name(axis_name, error):
 @pytest.mark.parametrize("mask", [{"w": 1}, {"w": jnp.array(True)}, ["yes"]])
 def test_bad_mask_leaves(mask):
     with pytest.raises(TypeError, match="mask leaves must be Python bools"):
-        lossscale.loss_scaled(INNER, LS, mask=mask)
+        lossscale.loss_scaled(INNER, LS, mask=mask, require_scaled_by=False)
 
 
 def test_mask_structure_mismatch_at_init_and_update():
-    tx = lossscale.loss_scaled(INNER, LS, mask={"a": True, "b": False})
+    tx = lossscale.loss_scaled(
+        INNER, LS, mask={"a": True, "b": False}, require_scaled_by=False
+    )
     params = {"a": jnp.ones(1), "c": jnp.ones(1)}
     with pytest.raises(ValueError, match="mask must have the structure"):
         tx.init(params)
-    good = lossscale.loss_scaled(INNER, LS, mask={"a": True, "c": False})
+    good = lossscale.loss_scaled(
+        INNER, LS, mask={"a": True, "c": False}, require_scaled_by=False
+    )
     state = good.init(params)
     with pytest.raises(ValueError, match="mask must have the structure"):
         good.update({"a": jnp.ones(1)}, state)
 
 
 def test_callable_mask_returning_non_bools():
-    tx = lossscale.loss_scaled(INNER, LS, mask=lambda p: {"a": "yes"})
+    tx = lossscale.loss_scaled(
+        INNER, LS, mask=lambda p: {"a": "yes"}, require_scaled_by=False
+    )
     with pytest.raises(TypeError, match="mask leaves must be Python bools"):
         tx.init({"a": jnp.ones(1)})
 
 
 def test_update_with_foreign_state():
-    tx = lossscale.loss_scaled(INNER, LS)
+    tx = lossscale.loss_scaled(INNER, LS, require_scaled_by=False)
     params = jnp.ones(1)
     with pytest.raises(TypeError, match="LossScaledState"):
         tx.update(params, INNER.init(params), params)
@@ -218,7 +226,7 @@ def test_static_scale_accepts_numpy_and_int():
 
 def test_int_axis_name_message_says_why():
     with pytest.raises(TypeError, match="never ints"):
-        lossscale.loss_scaled(INNER, LS, axis_name=0)
+        lossscale.loss_scaled(INNER, LS, axis_name=0, require_scaled_by=False)
 
 
 def test_config_reads_back_as_given():
@@ -256,21 +264,30 @@ class _NoFloorPolicy:
 
 def test_on_min_scale_error_needs_a_policy_that_knows_its_minimum():
     with pytest.raises(ValueError, match="at_min_scale") as info:
-        lossscale.loss_scaled(INNER, _NoFloorPolicy(), on_min_scale="error")
+        lossscale.loss_scaled(
+            INNER,
+            _NoFloorPolicy(),
+            on_min_scale="error",
+            require_scaled_by=False,
+        )
     assert "on_min_scale" in str(info.value)
     # Accepted with "ignore", and with every built-in scale.
-    lossscale.loss_scaled(INNER, _NoFloorPolicy())
+    lossscale.loss_scaled(INNER, _NoFloorPolicy(), require_scaled_by=False)
     for ls in (
         lossscale.NoOpLossScale(),
         lossscale.StaticLossScale(8.0),
         lossscale.DynamicLossScale(),
     ):
-        lossscale.loss_scaled(INNER, ls, on_min_scale="error")
+        lossscale.loss_scaled(
+            INNER, ls, on_min_scale="error", require_scaled_by=False
+        )
 
 
 def test_report_nonfinite_must_be_a_bool():
     with pytest.raises(TypeError, match="report_nonfinite"):
-        lossscale.loss_scaled(INNER, LS, report_nonfinite="yes")
+        lossscale.loss_scaled(
+            INNER, LS, report_nonfinite="yes", require_scaled_by=False
+        )
 
 
 @pytest.mark.parametrize(
@@ -288,7 +305,7 @@ def test_narrow_gradients_under_a_scale_below_one_are_refused(ls, dtype):
     Backing off would only make that worse: every step would be skipped
     while the gradients are finite. Refused at trace time instead.
     """
-    tx = lossscale.loss_scaled(optax.sgd(0.1), ls)
+    tx = lossscale.loss_scaled(optax.sgd(0.1), ls, require_scaled_by=False)
     params = {"w": jnp.ones(3, dtype), "b": jnp.ones(2, jnp.float32)}
     state = tx.init(params)
     with pytest.raises(ValueError, match=r"\['w'\].*can go down to 0\.\d+ < 1"):
@@ -299,14 +316,18 @@ def test_narrow_gradients_under_a_scale_below_one_are_refused(ls, dtype):
 
 
 def test_narrow_gradients_with_a_floor_of_one_are_accepted():
-    tx = lossscale.loss_scaled(optax.sgd(0.1), lossscale.DynamicLossScale())
+    tx = lossscale.loss_scaled(
+        optax.sgd(0.1), lossscale.DynamicLossScale(), require_scaled_by=False
+    )
     params = {"w": jnp.full(3, 60000.0, jnp.float16)}
     _, state = jax.jit(tx.update)(params, tx.init(params), params)
     assert bool(state.grads_finite)  # 60000 / 2**16 is finite in float16
 
 
 def test_numpy_str_axis_name_is_a_name():
-    lossscale.loss_scaled(INNER, LS, axis_name=np.str_("data"))
+    lossscale.loss_scaled(
+        INNER, LS, axis_name=np.str_("data"), require_scaled_by=False
+    )
 
 
 @pytest.mark.parametrize(
@@ -355,7 +376,9 @@ def test_unknown_axis_name_under_shard_map():
     from jax.sharding import PartitionSpec as P
 
     mesh = explicit_mesh((8,), ("data",))
-    tx = lossscale.loss_scaled(INNER, LS, axis_name="batch")
+    tx = lossscale.loss_scaled(
+        INNER, LS, axis_name="batch", require_scaled_by=False
+    )
     state = tx.init(jnp.ones(8))
     specs = jax.tree.map(lambda _: P(), state)
     step = jax.shard_map(

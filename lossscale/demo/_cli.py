@@ -124,10 +124,14 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
         f"Training {model.describe} for {args.steps} steps in each mode "
         f"({', '.join(args.modes)}); seed {args.seed}."
     )
-    results = [
-        model.train(mode, args.steps, args.seed, progress=sys.stderr.isatty())
-        for mode in args.modes
-    ]
+    results = []
+    for mode in args.modes:
+        # A progress bar on a terminal; either way, one line per mode.
+        result = model.train(
+            mode, args.steps, args.seed, progress=sys.stderr.isatty()
+        )
+        print(f"  {mode}: {result.seconds:.1f} s", flush=True)
+        results.append(result)
     report = common.table(results, model.test_label)
     print(report)
     (args.out / model.results).write_text(report + "\n")
