@@ -402,6 +402,56 @@ class UnknownParams(Exception):
     """A higher-order equation autocast cannot rebuild faithfully here."""
 
 
+# The params of the higher-order equations autocast rebuilds, on every
+# supported JAX (0.7 to 0.12; tests/test_autocast_primitives.py reads the
+# installed JAX's). A param not listed runs the equation at its traced
+# dtypes, with a RuntimeWarning naming it.
+HIGHER_ORDER_PARAMS: dict[str, frozenset[str]] = {
+    "jit": frozenset(
+        {
+            "jaxpr", "in_shardings", "out_shardings", "in_layouts",
+            "out_layouts", "donated_invars", "ctx_mesh", "name",
+            "keep_unused", "inline", "compiler_options_kvs",
+            "resource_env",
+        }
+    ),
+    "scan": frozenset(
+        {
+            "jaxpr", "length", "reverse", "unroll", "num_consts",
+            "num_carry", "linear", "_split_transpose", "ft_in", "ft_out",
+        }
+    ),
+    "while": frozenset(
+        {"cond_jaxpr", "body_jaxpr", "cond_nconsts", "body_nconsts"}
+    ),
+    "cond": frozenset({"branches", "branches_platforms"}),
+    "remat2": frozenset({"jaxpr", "prevent_cse", "differentiated", "policy"}),
+    "custom_jvp_call": frozenset(
+        {"call_jaxpr", "jvp_jaxpr_fun", "jvp_jaxpr_thunk", "num_consts",
+         "symbolic_zeros"}
+    ),
+    "shard_map": frozenset(
+        {
+            "jaxpr", "mesh", "in_specs", "out_specs", "check_vma",
+            "check_rep", "manual_axes", "newly_manual_axes", "auto",
+            "rewrite",
+        }
+    ),
+}  # fmt: skip
+HIGHER_ORDER_PARAMS["pjit"] = HIGHER_ORDER_PARAMS["jit"]
+HIGHER_ORDER_PARAMS["checkpoint"] = HIGHER_ORDER_PARAMS["remat2"]
+
+
+def check_params(eqn: Any) -> None:
+    """Raises :class:`UnknownParams` for a param autocast does not know."""
+    known = HIGHER_ORDER_PARAMS.get(eqn.primitive.name)
+    if known is None:
+        return
+    unknown = sorted(set(eqn.params) - known)
+    if unknown:
+        raise UnknownParams(f"{unknown[0]}={eqn.params[unknown[0]]!r}")
+
+
 def is_jit(eqn: Any) -> bool:
     """A ``jax.jit`` equation (``pjit`` before jax 0.8, ``jit`` since)."""
     return eqn.primitive.name in ("jit", "pjit")
@@ -451,13 +501,6 @@ def scan_options(params: dict[str, Any]) -> dict[str, Any]:
 
 def shard_map_options(params: dict[str, Any]) -> dict[str, Any]:
     """``jax.shard_map``'s keyword arguments for a ``shard_map`` equation."""
-    known = {
-        "jaxpr", "mesh", "in_specs", "out_specs", "check_vma", "check_rep",
-        "manual_axes", "newly_manual_axes", "auto", "rewrite",
-    }  # fmt: skip
-    unknown = sorted(set(params) - known)
-    if unknown:
-        raise UnknownParams(f"{unknown[0]}={params[unknown[0]]!r}")
     return {
         "mesh": params["mesh"],
         "in_specs": tuple(params["in_specs"]),

@@ -247,6 +247,7 @@ def equation(ctx: Ctx, eqn: Any, node: Node, invals: list[Any]) -> list[Any]:
     if node.mode == "higher":
         name = eqn.primitive.name
         try:
+            _compat.check_params(eqn)
             outs = _higher.HANDLERS[name].emit(ctx, eqn, node, invals)
         except _compat.UnknownParams as err:
             warnings.warn(
