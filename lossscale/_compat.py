@@ -516,8 +516,11 @@ def bind_remat(jaxpr: Any, args: Sequence[Any]) -> list[Any]:
     derivative hit."""
     from jax.extend.core import primitives
 
+    remat_p = getattr(primitives, "remat_p", None)
+    if remat_p is None:  # jax < 0.8 does not export it
+        from jax._src.ad_checkpoint import remat_p
     return list(
-        primitives.remat_p.bind(
+        remat_p.bind(
             *args,
             jaxpr=jaxpr,
             prevent_cse=False,
