@@ -873,3 +873,20 @@ def test_bad_arguments_are_refused():
         lossscale.autocast(mlp_loss, rules=["tanh"])
     with pytest.raises(TypeError, match="output_dtype"):
         lossscale.autocast(mlp_loss, output_dtype=jnp.int32)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        lossscale.Policy(jnp.float16, jnp.float16, jnp.float32),
+        "p=f16,c=f16,o=f32",
+        "p=bf16,c=bf16",
+    ],
+)
+def test_a_policy_storing_parameters_in_16_bits_is_refused(policy):
+    # Issue 29: param_dtype was ignored silently (the parameters stayed
+    # float32 as they came in, whatever the policy said).
+    with pytest.raises(ValueError, match="param_dtype"):
+        lossscale.autocast(mlp_loss, policy)
+    # The negative control: float32 parameters are what autocast keeps.
+    lossscale.autocast(mlp_loss, "p=f32,c=f16,o=f32")
