@@ -52,3 +52,19 @@ def test_quick_autocast_benchmark_reports_every_variant(tmp_path):
     assert out.read_text() == report
     for variant in bench.VARIANTS:
         assert f"| {variant} |" in report
+
+
+@pytest.mark.slow
+def test_autocast_trace_benchmark_reports_every_program(capsys, monkeypatch):
+    spec = importlib.util.spec_from_file_location(
+        "autocast_trace", ROOT / "benchmarks" / "autocast_trace.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr("sys.argv", ["autocast_trace.py", "--repeats", "1"])
+    bench.main()
+    report = capsys.readouterr().out
+    for name in [*bench.CASES, "eager call after the first"]:
+        assert f"| {name}" in report
+    ratios = [float(r) for r in re.findall(r"\| ([0-9.]+)x \|", report)]
+    assert len(ratios) == len(bench.CASES) + 1 and all(r > 0 for r in ratios)
