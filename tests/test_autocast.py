@@ -890,3 +890,20 @@ def test_a_policy_storing_parameters_in_16_bits_is_refused(policy):
         lossscale.autocast(mlp_loss, policy)
     # The negative control: float32 parameters are what autocast keeps.
     lossscale.autocast(mlp_loss, "p=f32,c=f16,o=f32")
+
+
+def test_caches_are_bounded_and_a_cleared_cache_replans(monkeypatch):
+    # A function retraced with new constants every call kept every plan
+    # (and the jaxpr it was made for) alive: the caches are now cleared
+    # past a bound, after which the next trace plans again.
+    from lossscale._autocast import _api
+
+    monkeypatch.setattr(_api, "_CACHE_LIMIT", 0)
+    f = lossscale.autocast(mlp_loss)
+    params, x = mlp()
+    first = jax.jit(jax.grad(f))(params, x)
+    again = jax.jit(jax.grad(f))(params, x)  # a new trace, caches empty
+    for a, b in zip(
+        jax.tree.leaves(first), jax.tree.leaves(again), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)

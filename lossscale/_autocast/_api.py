@@ -20,6 +20,7 @@ from lossscale._autocast._classes import F32_DTYPE, Cls, is_float
 F = TypeVar("F", bound=Callable[..., Any])
 
 FLOAT32_SCOPE = _infer.FLOAT32_SCOPE
+_CACHE_LIMIT = 1 << 16
 
 
 def autocast(
@@ -177,6 +178,13 @@ def autocast(
     def traced(*args: Any, **kwargs: Any) -> Any:
         result = _call(ctx, out_dtype, fun, args, kwargs)
         _warn_unused(ctx, warned)
+        # The caches keep the jaxprs they were made for alive: bounded, so
+        # that a function retraced with new constants every call does not
+        # grow without end (a hit is only a saving, a miss replans).
+        if len(ctx.plans) + len(ctx.emitted) + len(ctx.facts) > _CACHE_LIMIT:
+            ctx.plans.clear()
+            ctx.emitted.clear()
+            ctx.facts.clear()
         return result
 
     jitted = jax.jit(traced)
