@@ -892,7 +892,7 @@ def test_a_policy_storing_parameters_in_16_bits_is_refused(policy):
     lossscale.autocast(mlp_loss, "p=f32,c=f16,o=f32")
 
 
-def test_caches_are_bounded_and_a_cleared_cache_replans(monkeypatch):
+def test_caches_are_bounded_and_a_cleared_cache_replans(monkeypatch, mlp):
     # A function retraced with new constants every call kept every plan
     # (and the jaxpr it was made for) alive: the caches are now cleared
     # past a bound, after which the next trace plans again.
@@ -900,7 +900,7 @@ def test_caches_are_bounded_and_a_cleared_cache_replans(monkeypatch):
 
     monkeypatch.setattr(_api, "_CACHE_LIMIT", 0)
     f = lossscale.autocast(mlp_loss)
-    params, x = mlp()
+    params, x = mlp
     first = jax.jit(jax.grad(f))(params, x)
     again = jax.jit(jax.grad(f))(params, x)  # a new trace, caches empty
     for a, b in zip(
