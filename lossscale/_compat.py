@@ -25,9 +25,11 @@ What is used, and what happens if it moves:
   ``shard_map``'s; :func:`call_jaxpr`, :func:`shard_map_axes`) and the
   pieces of a ``custom_jvp_call`` (:func:`bind_with_subfuns`,
   :func:`jvp_jaxpr`): autocast reads them to evaluate those equations'
-  jaxprs with its rules. If one moves (an ``AttributeError`` or
-  ``KeyError``), that equation runs at its traced dtypes, with a
-  ``RuntimeWarning`` (``lossscale/_autocast.py``).
+  jaxprs with its rules. The params it knows on every supported JAX are
+  listed in ``HIGHER_ORDER_PARAMS``: an equation with another runs at its
+  traced dtypes, with a ``RuntimeWarning`` (``lossscale/_autocast/
+  _emit.py``), and ``tests/test_autocast_primitives.py`` fails on a JAX
+  that has one.
 - the ``PmapSharding`` class (:func:`pmap_laid_out`), which only jax 0.7's
   ``pmap`` outputs carry. If it is missing, such outputs are checked
   eagerly by one program, which first moves them: correct, but a copy.
