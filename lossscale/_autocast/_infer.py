@@ -532,8 +532,12 @@ def _forward(
     # "promote": PyTorch's promotion, and float32 where only float32 reads.
     if ROUND_MIXED and Cls.LOW in floats:
         return result("float32", Cls.LOW)
-    # Moving or selecting 16-bit values is exact: no reason to widen it.
-    exact = name in R.RANGE_PRESERVING and floats <= {Cls.LOW, Cls.CONST}
+    # Moving or selecting 16-bit values is exact: no reason to widen it;
+    # nor a collective, which moves 16 bits between devices where 32
+    # would cost twice the bytes (a tensor-parallel all-reduce).
+    exact = (
+        name in R.RANGE_PRESERVING or name in R.COLLECTIVES
+    ) and floats <= {Cls.LOW, Cls.CONST}
     if Cls.F32 in floats or (float_outs and all(only32) and not exact):
         # A result every use rounds anyway (a bias add before a relu and
         # the next matmul) is rounded here, once: the same values, and

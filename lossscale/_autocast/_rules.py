@@ -136,7 +136,7 @@ RANGE_PRESERVING = frozenset(
 
 # Collectives move (or add) values between devices: at the dtype the
 # activation has, as Megatron-LM's tensor-parallel all-reduce does.
-_COLLECTIVES = (
+COLLECTIVES = (
     "psum",
     "psum_invariant",
     "pvary",
@@ -185,7 +185,7 @@ _PROMOTE = (
     "argmin",
     "select_and_gather_add",
     "select_and_scatter_add",
-    *_COLLECTIVES,
+    *COLLECTIVES,
     *sorted(RANGE_PRESERVING - {"convert_element_type"}),
 )
 
@@ -240,7 +240,7 @@ FOLDABLE = (
         for name, rule in _table().items()
         if rule in ("float32", "promote") and name not in MATMULS
     )
-    - set(_COLLECTIVES)
+    - set(COLLECTIVES)
     - {
         "name",
         "sharding_constraint",
