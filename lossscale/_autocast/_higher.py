@@ -26,7 +26,14 @@ from jax import lax
 
 from lossscale import _compat
 from lossscale._autocast import _emit, _infer
-from lossscale._autocast._classes import Cls, Info, is_float, join, of_dtype
+from lossscale._autocast._classes import (
+    Cls,
+    Info,
+    is_float,
+    join,
+    of_dtype,
+    of_value,
+)
 from lossscale._autocast._infer import Ctx, Node, Plan
 
 _FITS_SIZE = 1 << 16
@@ -59,8 +66,6 @@ def const_infos(ctx: Ctx, consts: Sequence[Any]) -> list[Info]:
             and int(np.size(c)) <= _FITS_SIZE
         ):
             value = np.asarray(c)
-            from lossscale._autocast._classes import of_value
-
             cls = of_value(value, dtype, ctx.compute)
             infos.append(Info(cls, value if value.size <= 4096 else None))
         else:
@@ -117,8 +122,15 @@ def _avals(xs: Sequence[Any]) -> tuple[Any, ...]:
 def _call_infer(
     ctx: Ctx, eqn: Any, ins: list[Info], only32: list[bool], demanded: list
 ) -> Node:
-    closed = _compat.call_jaxpr(eqn)
-    plan = _infer.infer(
+    plan = _closed_plan(ctx, _compat.call_jaxpr(eqn), ins, only32, demanded)
+    return _node(ins, plan.outs, plan.reads32, [plan], plan.demanded)
+
+
+def _closed_plan(
+    ctx: Ctx, closed: Any, ins: list[Info], only32: list, demanded: list
+) -> Plan:
+    """The plan of a closed jaxpr called on operands of these classes."""
+    return _infer.infer(
         ctx,
         closed.jaxpr,
         const_infos(ctx, closed.consts),
@@ -126,7 +138,6 @@ def _call_infer(
         only32,
         demanded,
     )
-    return _node(ins, plan.outs, plan.reads32, [plan], plan.demanded)
 
 
 def _call_emit(ctx: Ctx, eqn: Any, node: Node, invals: list[Any]) -> list:
@@ -495,14 +506,7 @@ def _custom_jvp_infer(
     ctx: Ctx, eqn: Any, ins: list[Info], only32: list[bool], demanded: list
 ) -> Node:
     closed = eqn.params["call_jaxpr"]
-    plan = _infer.infer(
-        ctx,
-        closed.jaxpr,
-        const_infos(ctx, closed.consts),
-        [i.cls for i in ins],
-        only32,
-        demanded,
-    )
+    plan = _closed_plan(ctx, closed, ins, only32, demanded)
     return _node(
         ins, plan.outs, plan.reads32, [plan], plan.demanded, (only32, demanded)
     )
