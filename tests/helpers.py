@@ -1,6 +1,7 @@
 """Helpers shared by the tests."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import lossscale
@@ -11,8 +12,10 @@ __all__ = [
     "assert_trees_bitwise_equal",
     "data_model_mesh",
     "enable_x64",
+    "equations",
     "explicit_mesh",
     "loss_scaled",
+    "operand_dtypes",
     "set_mesh",
 ]
 
@@ -39,3 +42,32 @@ def loss_scaled(inner, loss_scale, *, impl="select", **kwargs):
     """``lossscale.loss_scaled`` with the skip made by ``impl``."""
     with _transform.skip_impl(impl):
         return lossscale.loss_scaled(inner, loss_scale, **kwargs)
+
+
+def equations(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs in its params, in order."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple) else (value,):
+                if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+                    yield from equations(sub)
+
+
+def operand_dtypes(jaxpr, primitive, *, prefix=False):
+    """The float operand dtypes of every ``primitive`` equation (of every
+    equation whose name starts so, with ``prefix``)."""
+    return [
+        tuple(
+            np.dtype(v.aval.dtype)
+            for v in eqn.invars
+            if jnp.issubdtype(v.aval.dtype, jnp.floating)
+        )
+        for eqn in equations(jaxpr)
+        if (
+            eqn.primitive.name.startswith(primitive)
+            if prefix
+            else eqn.primitive.name == primitive
+        )
+    ]

@@ -19,36 +19,13 @@ from jax import lax
 
 import lossscale
 from lossscale import _compat
+from tests.helpers import equations, operand_dtypes
 
 F16, BF16, F32 = (
     np.dtype(jnp.float16),
     np.dtype(jnp.bfloat16),
     np.dtype(np.float32),
 )
-
-
-def equations(jaxpr):
-    """Every equation of a jaxpr and of the jaxprs in its params, in order."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple) else (value,):
-                if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
-                    yield from equations(sub)
-
-
-def operand_dtypes(jaxpr, primitive):
-    """The float operand dtypes of every ``primitive`` equation."""
-    return [
-        tuple(
-            np.dtype(v.aval.dtype)
-            for v in eqn.invars
-            if jnp.issubdtype(v.aval.dtype, jnp.floating)
-        )
-        for eqn in equations(jaxpr)
-        if eqn.primitive.name == primitive
-    ]
 
 
 def dots(fun, *args):

@@ -23,6 +23,7 @@ from jax.sharding import SingleDeviceSharding
 import lossscale
 from lossscale import _compat
 from lossscale._autocast._emit import ISLAND_SCOPE
+from tests.helpers import equations, operand_dtypes
 
 F16, F32 = np.dtype(jnp.float16), np.dtype(np.float32)
 
@@ -31,28 +32,9 @@ def _is_jaxpr(value):
     return hasattr(value, "eqns") or hasattr(value, "jaxpr")
 
 
-def equations(jaxpr):
-    """Every equation of a jaxpr and of the jaxprs in its params, in order."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple) else (value,):
-                if _is_jaxpr(sub):
-                    yield from equations(sub)
-
-
 def float_operand_dtypes(jaxpr, name_prefix):
     """The float operand dtypes of the equations whose name starts so."""
-    return [
-        tuple(
-            np.dtype(v.aval.dtype)
-            for v in eqn.invars
-            if jnp.issubdtype(v.aval.dtype, jnp.floating)
-        )
-        for eqn in equations(jaxpr)
-        if eqn.primitive.name.startswith(name_prefix)
-    ]
+    return operand_dtypes(jaxpr, name_prefix, prefix=True)
 
 
 def higher_order_params(jaxpr):

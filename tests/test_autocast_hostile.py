@@ -12,32 +12,14 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import lossscale
+from tests import helpers
 
 F16, F32 = np.dtype(jnp.float16), np.dtype(np.float32)
 
 
-def _is_jaxpr(value):
-    return hasattr(value, "eqns") or hasattr(value, "jaxpr")
-
-
-def equations(jaxpr):
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple) else (value,):
-                if _is_jaxpr(sub):
-                    yield from equations(sub)
-
-
 def operand_dtypes(jaxpr, name):
-    return {
-        np.dtype(v.aval.dtype)
-        for eqn in equations(jaxpr)
-        if eqn.primitive.name == name
-        for v in eqn.invars
-        if jnp.issubdtype(v.aval.dtype, jnp.floating)
-    }
+    """Every float operand dtype of the ``name`` equations, as a set."""
+    return {d for ds in helpers.operand_dtypes(jaxpr, name) for d in ds}
 
 
 def normal(seed, shape, scale=1.0):
