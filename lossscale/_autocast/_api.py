@@ -426,7 +426,9 @@ def _call(
     n_out = len(jax.tree.leaves(out_shape))
     results = []
     for x, atom in zip(outs[:n_out], jaxpr.outvars, strict=False):
-        dtype = atom.aval.dtype
+        # Through dtype_of: jax 0.12 types an outvar's aval as the
+        # abstract base class, which has no dtype attribute.
+        dtype = _emit.dtype_of(atom.aval)
         if out_dtype is not None and is_float(dtype):
             dtype = out_dtype
         if not isinstance(x, jax.Array):
