@@ -199,7 +199,11 @@ def _infer(
                 infos,
                 [only32.get(v, False) for v in eqn.outvars],
                 [demanded.get(v, False) for v in eqn.outvars],
-                [rounded.get(v, False) for v in eqn.outvars],
+                # "Rounded anyway" starts true and only becomes false:
+                # the other facts only become true, from float32 a first
+                # round would otherwise see where no float32 remains (a
+                # bias add before a relu, pooling and a conv).
+                [rounded.get(v, round_ == 0) for v in eqn.outvars],
             )
             nodes[eqn] = node
             for var, info in zip(eqn.outvars, outs, strict=True):
@@ -247,11 +251,20 @@ def _infer(
             var: Any,
             nodes: dict[Any, Node] = nodes,
             new_demanded: dict[Any, bool] = new_demanded,
-        ) -> list[tuple[bool, bool]]:
-            """(reads it in float32, makes it demanded) per use."""
-            result = []
+        ) -> list[tuple[bool | None, bool]]:
+            """(reads it in float32, makes it demanded) per use; None for
+            a comparison (``is_finite(m)``, ``h > 0``), which reads it at
+            whatever dtype it has: it neither widens it nor keeps it 16-bit."""
+            result: list[tuple[bool | None, bool]] = []
             for eqn, i in readers.get(var, ()):
                 node = nodes[eqn]
+                if (
+                    node.mode == "compute"
+                    and eqn.primitive.name not in R.MATMULS
+                    and not any(is_float(v.aval.dtype) for v in eqn.outvars)
+                ):
+                    result.append((None, False))
+                    continue
                 # A matmul rounds its operands whatever reads its result.
                 passes = eqn.primitive.name not in R.MATMULS and any(
                     new_demanded.get(v, False) for v in eqn.outvars
@@ -266,7 +279,8 @@ def _infer(
         for eqn in reversed(eqns):
             for var in eqn.outvars:
                 u = uses(var)
-                new_only32[var] = bool(u) and all(r for r, _ in u)
+                reads = [r for r, _ in u if r is not None]
+                new_only32[var] = bool(reads) and all(reads)
                 new_demanded[var] = any(d for _, d in u)
                 new_rounded[var] = rounded_by(var)
         in_reads32 = []
@@ -532,12 +546,16 @@ def _forward(
     # "promote": PyTorch's promotion, and float32 where only float32 reads.
     if ROUND_MIXED and Cls.LOW in floats:
         return result("float32", Cls.LOW)
-    # Moving or selecting 16-bit values is exact: no reason to widen it;
-    # nor a collective, which moves 16 bits between devices where 32
-    # would cost twice the bytes (a tensor-parallel all-reduce).
-    exact = (
-        name in R.RANGE_PRESERVING or name in R.COLLECTIVES
-    ) and floats <= {Cls.LOW, Cls.CONST}
+    # A collective moves 16 bits between devices where 32 would cost
+    # twice the bytes (a tensor-parallel all-reduce), and pooling's
+    # backward pass keeps its operand: neither is widened by its float32
+    # readers. Other moves and selections are: softmax's max subtraction
+    # widens its reduce_max, so that ``softmax(h * 1e3)`` scales in
+    # float32 rather than overflowing 16 bits.
+    exact = (name in R.COLLECTIVES or name in R.POOLING) and floats <= {
+        Cls.LOW,
+        Cls.CONST,
+    }
     if Cls.F32 in floats or (float_outs and all(only32) and not exact):
         # A result every use rounds anyway (a bias add before a relu and
         # the next matmul) is rounded here, once: the same values, and

@@ -134,6 +134,13 @@ RANGE_PRESERVING = frozenset(
     }
 )
 
+# Max and min pooling keep the activation's dtype, even where only float32
+# reads their result: their backward pass (select_and_scatter_add) keeps
+# its operand, which would be float32 (a conv stack's whole feature maps).
+POOLING = frozenset(
+    {"reduce_window_max", "reduce_window_min", "cummax", "cummin"}
+)
+
 # Collectives move (or add) values between devices: at the dtype the
 # activation has, as Megatron-LM's tensor-parallel all-reduce does.
 COLLECTIVES = (
