@@ -869,17 +869,27 @@ def test_a_policy_storing_parameters_in_16_bits_is_refused(policy):
     lossscale.autocast(mlp_loss, "p=f32,c=f16,o=f32")
 
 
-def test_caches_are_bounded_and_a_cleared_cache_replans(monkeypatch, mlp):
-    # A function retraced with new constants every call kept every plan
-    # (and the jaxpr it was made for) alive: the caches are now cleared
-    # past a bound, after which the next trace plans again.
+def test_caches_serve_one_trace_and_a_new_trace_replans(mlp):
+    # A function retraced every call kept every plan (and the jaxpr it was
+    # made for) alive: the caches are now emptied when a call ends, and
+    # the next trace plans again, to the same values.
     from lossscale._autocast import _api
 
-    monkeypatch.setattr(_api, "_CACHE_LIMIT", 0)
+    seen = []
+    real = _api._call
+
+    def spy(ctx, *rest):
+        seen.append(ctx)
+        return real(ctx, *rest)
+
     f = lossscale.autocast(mlp_loss)
     params, x = mlp
-    first = jax.jit(jax.grad(f))(params, x)
-    again = jax.jit(jax.grad(f))(params, x)  # a new trace, caches empty
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_api, "_call", spy)
+        first = jax.jit(jax.grad(f))(params, x)
+        (ctx,) = seen
+        assert not ctx.plans and not ctx.emitted and not ctx.facts
+        again = jax.jit(jax.grad(f))(params, x)  # a new trace, caches empty
     for a, b in zip(
         jax.tree.leaves(first), jax.tree.leaves(again), strict=True
     ):

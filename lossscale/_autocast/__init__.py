@@ -8,7 +8,8 @@ passes over that jaxpr:
    from the rules (:mod:`._rules`), without binding anything: forwards by
    PyTorch's type promotion, backwards so that what only float32 reads is
    float32. Loops iterate there, and plans are memoised per jaxpr and
-   input classes.
+   input classes for the length of one trace (emptied when the call
+   ends, so that nothing of an earlier trace is kept alive).
 2. :mod:`._emit` binds every equation once, at the dtypes planned, under
    the caller's trace, with :func:`lossscale._interpret.run` (the core the
    copy-free skip shares), so ``jax.grad`` of an autocast function

@@ -20,7 +20,6 @@ from lossscale._autocast._classes import F32_DTYPE, Cls, is_float
 F = TypeVar("F", bound=Callable[..., Any])
 
 FLOAT32_SCOPE = _infer.FLOAT32_SCOPE
-_CACHE_LIMIT = 1 << 16
 
 
 def autocast(
@@ -175,16 +174,24 @@ def autocast(
     out_dtype = None if output_dtype is None else _float_dtype(output_dtype)
     warned: set[tuple[str, str]] = set()
 
+    depth = [0]
+
     def traced(*args: Any, **kwargs: Any) -> Any:
-        result = _call(ctx, out_dtype, fun, args, kwargs)
+        depth[0] += 1
+        try:
+            result = _call(ctx, out_dtype, fun, args, kwargs)
+        finally:
+            depth[0] -= 1
+            # The caches serve one trace (a jitted block called 48 times,
+            # a scan's body planned once), and keep the jaxprs they were
+            # made for alive: emptied when the outermost call ends, so
+            # that ``jax.grad(autocast(f))`` called eagerly, which traces
+            # anew each call, keeps nothing of the earlier calls.
+            if depth[0] == 0:
+                ctx.plans.clear()
+                ctx.emitted.clear()
+                ctx.facts.clear()
         _warn_unused(ctx, warned)
-        # The caches keep the jaxprs they were made for alive: bounded, so
-        # that a function retraced with new constants every call does not
-        # grow without end (a hit is only a saving, a miss replans).
-        if len(ctx.plans) + len(ctx.emitted) + len(ctx.facts) > _CACHE_LIMIT:
-            ctx.plans.clear()
-            ctx.emitted.clear()
-            ctx.facts.clear()
         return result
 
     jitted = jax.jit(traced)
