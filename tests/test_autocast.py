@@ -894,3 +894,45 @@ def test_caches_serve_one_trace_and_a_new_trace_replans(mlp):
         jax.tree.leaves(first), jax.tree.leaves(again), strict=True
     ):
         np.testing.assert_array_equal(a, b)
+
+
+def test_eager_calls_are_compiled_per_static_argument(mlp):
+    # An eager call with a Python number (a temperature, a flag) among its
+    # arguments traced on every call (9-20 ms against 1.2 ms jitted): the
+    # non-array leaves are static now, as in equinox's filter_jit.
+    params, x = mlp
+    traces = []
+
+    def loss(params, x, temperature, train):
+        traces.append((temperature, train))
+        return mlp_loss(params, x / temperature) * (2.0 if train else 1.0)
+
+    f = lossscale.autocast(loss)
+    first = f(params, x, 2.0, True)
+    np.testing.assert_array_equal(f(params, x, 2.0, True), first)
+    assert traces == [(2.0, True)]  # compiled once, then cached
+    other = f(params, x, 4.0, True)
+    assert len(traces) == 2 and not np.array_equal(other, first)
+    # True == 1, but a flag and a number are different static arguments.
+    f(params, x, 2.0, 1)
+    assert len(traces) == 3 and type(traces[-1][1]) is int
+    # The same values as the traced call (under an outer jit).
+    np.testing.assert_array_equal(
+        jax.jit(f, static_argnums=(2, 3))(params, x, 2.0, True), first
+    )
+
+
+def test_eager_call_with_an_unhashable_argument_traces_each_time(mlp):
+    # The negative control of the cache: a leaf that cannot be a key
+    # (a set) is never compiled and cached; the call still works.
+    params, x = mlp
+    traces = []
+
+    def loss(params, x, names):
+        traces.append(names)
+        return mlp_loss(params, x)
+
+    f = lossscale.autocast(loss)
+    a, b = f(params, x, {"w"}), f(params, x, {"w"})
+    np.testing.assert_array_equal(a, b)
+    assert len(traces) == 2

@@ -194,25 +194,68 @@ def autocast(
         _warn_unused(ctx, warned)
         return result
 
-    jitted = jax.jit(traced)
+    compiled: dict[Any, Callable[..., Any]] = {}
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if not _compat.tracing() and _jittable((args, kwargs)):
-            return jitted(*args, **kwargs)
-        return traced(*args, **kwargs)
+        if _compat.tracing():
+            return traced(*args, **kwargs)
+        split = _split_static((args, kwargs))
+        if split is None:
+            return traced(*args, **kwargs)
+        key, arrays = split
+        run = compiled.get(key)
+        if run is None:
+            if len(compiled) >= _COMPILED_LIMIT:
+                compiled.pop(next(iter(compiled)))
+            run = compiled[key] = jax.jit(_with_static(traced, key))
+        return run(*arrays)
 
     return cast(F, wrapped)
 
 
-def _jittable(tree: Any) -> bool:
-    """Every leaf an array (a Python number may be static), none of it NNX
-    state:
-    an eager call can be compiled, and cached, as a ``jax.jit``."""
-    leaves = jax.tree.leaves(tree, is_leaf=_interop.is_variable)
-    return all(
-        isinstance(x, jax.Array | np.ndarray | np.generic) for x in leaves
-    )
+# Eager calls compiled per static arguments (a Python float, a string, a
+# flag): the oldest are dropped past this many, as in functools.lru_cache.
+_COMPILED_LIMIT = 64
+
+
+def _split_static(tree: Any) -> tuple[Any, list[Any]] | None:
+    """An eager call's arguments as (a hashable key of everything but the
+    arrays, the arrays), as equinox's ``filter_jit`` splits them; None
+    where that cannot be compiled and cached (NNX state, which is written
+    back; an unhashable leaf)."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=_interop.is_variable)
+    arrays, static = [], []
+    for i, leaf in enumerate(leaves):
+        if _interop.is_variable(leaf):
+            return None
+        if isinstance(leaf, jax.Array | np.ndarray | np.generic):
+            arrays.append(leaf)
+        else:
+            # The type too: True == 1 == 1.0, but they trace differently.
+            static.append((i, type(leaf), leaf))
+    key = (treedef, len(leaves), tuple(static))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key, arrays
+
+
+def _with_static(traced: Callable[..., Any], key: Any) -> Callable[..., Any]:
+    """``traced`` of the arrays, the static leaves of ``key`` put back."""
+    treedef, n, static = key
+    fixed = {i: leaf for i, _, leaf in static}
+    dynamic = [i for i in range(n) if i not in fixed]
+
+    def run(*arrays: Any) -> Any:
+        leaves = [fixed.get(i) for i in range(n)]
+        for i, array in zip(dynamic, arrays, strict=True):
+            leaves[i] = array
+        args, kwargs = jax.tree.unflatten(treedef, leaves)
+        return traced(*args, **kwargs)
+
+    return run
 
 
 def _warn_unused(ctx: _infer.Ctx, warned: set[tuple[str, str]]) -> None:
