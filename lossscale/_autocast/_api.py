@@ -78,8 +78,11 @@ def autocast(
     a float carry runs at its traced dtypes, so that it stops where
     float32 stops.
 
-    Called eagerly (outside any trace) with array arguments, it is compiled
-    once per argument types, as a ``jax.jit`` of it would be.
+    Called eagerly (outside any trace), it is compiled once per argument
+    types, as a ``jax.jit`` of it would be: arrays are traced, and every
+    other leaf (a Python number, a string, a flag) is static, as in
+    equinox's ``filter_jit``. With NNX state or an unhashable leaf among
+    the arguments, it traces on every call.
 
     Args:
         fun: the function to run, e.g. a loss ``loss_fn(params, batch)``.

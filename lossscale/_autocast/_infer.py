@@ -14,9 +14,11 @@ operands' classes: the result is float32 where a float operand is float32
 except as a matmul's or convolution's operand. Backwards, two facts flow
 from readers to writers:
 
-- *only read in float32*: an elementwise equation whose every reader runs
-  in float32 runs in float32 itself (``exp(x - max)`` subtracts in
-  float32), at no cost, since its result is not stored in 16 bits;
+- *only read in float32*: an elementwise equation, a move or a selection
+  whose every reader runs in float32 runs in float32 itself (``exp(x -
+  max)`` subtracts in float32, and takes the max in float32), at no cost,
+  since its result is not stored in 16 bits; comparisons do not count as
+  readers, and pooling and collectives keep 16 bits;
 - *demanded*: a bounded function (``sigmoid``, ``tanh``) whose result
   reaches a float32 operation, directly or through elementwise equations,
   keeps its result in float32 (``log(sigmoid(z))``, ``clip(p, eps,
