@@ -164,20 +164,26 @@ def test_eager_grad_of_an_autocast_function_does_not_grow_memory():
 
         return jnp.mean(block(block(x)))
 
-    step = jax.grad(lossscale.autocast(loss, jnp.float16))
-    for _ in range(5):
-        step(w, x)
-    gc.collect()
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        for _ in range(50):
+    def growth(step):
+        for _ in range(5):
             step(w, x)
         gc.collect()
-        growth = tracemalloc.get_traced_memory()[0] - before
-    finally:
-        tracemalloc.stop()
-    assert growth < 1_000_000
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for _ in range(50):
+                step(w, x)
+            gc.collect()
+            return tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+
+    # Measured against plain JAX's own growth, the negative control: jax
+    # 0.7's caches keep 4.2 MB of these 50 traces themselves (0.1 MB on
+    # jax 0.10).
+    plain = growth(jax.grad(loss))
+    auto = growth(jax.grad(lossscale.autocast(loss, jnp.float16)))
+    assert auto < plain + 1_000_000, (auto, plain)
 
 
 # --- 5. the float32 islands need jax.extend's remat_p (jax >= 0.7 declared) --
