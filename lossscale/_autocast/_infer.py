@@ -14,11 +14,12 @@ operands' classes: the result is float32 where a float operand is float32
 except as a matmul's or convolution's operand. Backwards, two facts flow
 from readers to writers:
 
-- *only read in float32*: an elementwise equation, a move or a selection
-  whose every reader runs in float32 runs in float32 itself (``exp(x -
-  max)`` subtracts in float32, and takes the max in float32), at no cost,
-  since its result is not stored in 16 bits; comparisons do not count as
-  readers, and pooling and collectives keep 16 bits;
+- *only read in float32*: an elementwise equation whose every reader runs
+  in float32 runs in float32 itself (``exp(x - max)`` subtracts in
+  float32), at no cost, since its result is not stored in 16 bits. The
+  fact passes through moves and selections (softmax's ``reduce_max``),
+  which stay 16-bit for a 16-bit operand (they are exact) but not through
+  pooling; comparisons (``is_finite``) are not counted as readers;
 - *demanded*: a bounded function (``sigmoid``, ``tanh``) whose result
   reaches a float32 operation, directly or through elementwise equations,
   keeps its result in float32 (``log(sigmoid(z))``, ``clip(p, eps,
@@ -253,6 +254,7 @@ def _infer(
             var: Any,
             nodes: dict[Any, Node] = nodes,
             new_demanded: dict[Any, bool] = new_demanded,
+            new_only32: dict[Any, bool] = new_only32,
         ) -> list[tuple[bool | None, bool]]:
             """(reads it in float32, makes it demanded) per use; None for
             a comparison (``is_finite(m)``, ``h > 0``), which reads it at
@@ -260,12 +262,28 @@ def _infer(
             result: list[tuple[bool | None, bool]] = []
             for eqn, i in readers.get(var, ()):
                 node = nodes[eqn]
+                name = eqn.primitive.name
+                float_outs = [v for v in eqn.outvars if is_float(v.aval.dtype)]
                 if (
                     node.mode == "compute"
-                    and eqn.primitive.name not in R.MATMULS
-                    and not any(is_float(v.aval.dtype) for v in eqn.outvars)
+                    and name not in R.MATMULS
+                    and not float_outs
                 ):
                     result.append((None, False))
+                    continue
+                if (
+                    node.mode == "compute"
+                    and name in R.RANGE_PRESERVING
+                    and name not in R.POOLING
+                    and float_outs
+                    and all(new_only32.get(v, False) for v in float_outs)
+                ):
+                    # A move or selection whose results only float32 reads
+                    # is seen through: it stays 16-bit for a 16-bit operand
+                    # (exact), and is float32 for a float32 one, so that
+                    # softmax's max subtraction does not keep the scores
+                    # 16-bit (``softmax((x @ w) * 1e3)`` scales in float32).
+                    result.append((True, False))
                     continue
                 # A matmul rounds its operands whatever reads its result.
                 passes = eqn.primitive.name not in R.MATMULS and any(
@@ -548,16 +566,13 @@ def _forward(
     # "promote": PyTorch's promotion, and float32 where only float32 reads.
     if ROUND_MIXED and Cls.LOW in floats:
         return result("float32", Cls.LOW)
-    # A collective moves 16 bits between devices where 32 would cost
-    # twice the bytes (a tensor-parallel all-reduce), and pooling's
-    # backward pass keeps its operand: neither is widened by its float32
-    # readers. Other moves and selections are: softmax's max subtraction
-    # widens its reduce_max, so that ``softmax(h * 1e3)`` scales in
-    # float32 rather than overflowing 16 bits.
-    exact = (name in R.COLLECTIVES or name in R.POOLING) and floats <= {
-        Cls.LOW,
-        Cls.CONST,
-    }
+    # Moving or selecting 16-bit values is exact: no reason to widen it
+    # (the backward pass inference sees through it instead: see ``uses``);
+    # nor a collective, which moves 16 bits between devices where 32
+    # would cost twice the bytes (a tensor-parallel all-reduce).
+    exact = (
+        name in R.RANGE_PRESERVING or name in R.COLLECTIVES
+    ) and floats <= {Cls.LOW, Cls.CONST}
     if Cls.F32 in floats or (float_outs and all(only32) and not exact):
         # A result every use rounds anyway (a bias add before a relu and
         # the next matmul) is rounded here, once: the same values, and

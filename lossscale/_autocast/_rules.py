@@ -134,9 +134,9 @@ RANGE_PRESERVING = frozenset(
     }
 )
 
-# Max and min pooling keep the activation's dtype, even where only float32
+# Max and min pooling keep their operand's dtype, even where only float32
 # reads their result: their backward pass (select_and_scatter_add) keeps
-# its operand, which would be float32 (a conv stack's whole feature maps).
+# the operand, which would be float32 (a conv stack's feature maps).
 POOLING = frozenset(
     {"reduce_window_max", "reduce_window_min", "cummax", "cummin"}
 )
