@@ -936,3 +936,28 @@ def test_eager_call_with_an_unhashable_argument_traces_each_time(mlp):
     a, b = f(params, x, {"w"}), f(params, x, {"w"})
     np.testing.assert_array_equal(a, b)
     assert len(traces) == 2
+
+
+def test_eager_calls_keep_the_most_recently_used_static_values(
+    monkeypatch, mlp
+):
+    # Past the bound the least recently used compilation is dropped: a
+    # value called again stays compiled, one left unused is traced again.
+    from lossscale._autocast import _api
+
+    monkeypatch.setattr(_api, "_COMPILED_LIMIT", 2)
+    params, x = mlp
+    traces = []
+
+    def loss(params, x, temperature):
+        traces.append(temperature)
+        return mlp_loss(params, x / temperature)
+
+    f = lossscale.autocast(loss)
+    for t in (1.0, 2.0, 1.0, 3.0):  # 3.0 drops 2.0, used less recently
+        f(params, x, t)
+    assert traces == [1.0, 2.0, 3.0]
+    f(params, x, 1.0)
+    assert traces == [1.0, 2.0, 3.0]  # still compiled
+    f(params, x, 2.0)
+    assert traces == [1.0, 2.0, 3.0, 2.0]  # traced again

@@ -207,18 +207,19 @@ def autocast(
         if split is None:
             return traced(*args, **kwargs)
         key, arrays = split
-        run = compiled.get(key)
+        run = compiled.pop(key, None)
         if run is None:
             if len(compiled) >= _COMPILED_LIMIT:
-                compiled.pop(next(iter(compiled)))
-            run = compiled[key] = jax.jit(_with_static(traced, key))
+                compiled.pop(next(iter(compiled)))  # the least recently used
+            run = jax.jit(_with_static(traced, key))
+        compiled[key] = run  # the most recently used, last
         return run(*arrays)
 
     return cast(F, wrapped)
 
 
 # Eager calls compiled per static arguments (a Python float, a string, a
-# flag): the oldest are dropped past this many, as in functools.lru_cache.
+# flag): the least recently used are dropped past this many.
 _COMPILED_LIMIT = 64
 
 
