@@ -202,3 +202,20 @@ def test_bias_add_and_gelu_run_on_every_supported_jax():
     auto = lossscale.autocast(loss, jnp.float16)
     np.testing.assert_allclose(auto(w, b, x), loss(w, b, x), rtol=1e-2)
     jax.grad(auto)(w, b, x)
+
+
+def test_a_sigmoid_read_in_float32_through_a_reshape_stays_float32():
+    """The review's fix (moves and selections seen through when only
+    float32 reads them) first dropped the demand that passes through a
+    move: ``log(reshape(sigmoid(z)))`` rounded the sigmoid to float16
+    again, and the loss was inf (float32: 7.52)."""
+    w, x = normal(0, (16, 16)), normal(1, (4, 16), 3.0)
+
+    def loss(w, x):
+        z = (x @ w) * 2.0
+        return -jnp.mean(jnp.log(jnp.reshape(jax.nn.sigmoid(z), (-1,))))
+
+    full = loss(w, x)
+    auto = lossscale.autocast(loss, jnp.float16)(w, x)
+    assert np.isfinite(full)
+    np.testing.assert_allclose(auto, full, rtol=1e-2)

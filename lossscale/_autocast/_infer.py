@@ -283,7 +283,13 @@ def _infer(
                     # (exact), and is float32 for a float32 one, so that
                     # softmax's max subtraction does not keep the scores
                     # 16-bit (``softmax((x @ w) * 1e3)`` scales in float32).
-                    result.append((True, False))
+                    # Demand passes through it as through any move.
+                    result.append(
+                        (
+                            True,
+                            any(new_demanded.get(v, False) for v in float_outs),
+                        )
+                    )
                     continue
                 # A matmul rounds its operands whatever reads its result.
                 passes = eqn.primitive.name not in R.MATMULS and any(
