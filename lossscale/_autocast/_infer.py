@@ -271,33 +271,24 @@ def _infer(
                 ):
                     result.append((None, False))
                     continue
-                if (
-                    node.mode == "compute"
-                    and name in R.RANGE_PRESERVING
-                    and name not in R.POOLING
-                    and float_outs
-                    and all(new_only32.get(v, False) for v in float_outs)
-                ):
+                # A matmul rounds its operands whatever reads its result.
+                passes = name not in R.MATMULS and any(
+                    new_demanded.get(v, False) for v in eqn.outvars
+                )
+                if node.mode == "higher":
+                    passes = bool(node.data.demanded[i])
+                reads32 = node.reads32[i] or (
                     # A move or selection whose results only float32 reads
                     # is seen through: it stays 16-bit for a 16-bit operand
                     # (exact), and is float32 for a float32 one, so that
                     # softmax's max subtraction does not keep the scores
                     # 16-bit (``softmax((x @ w) * 1e3)`` scales in float32).
-                    # Demand passes through it as through any move.
-                    result.append(
-                        (
-                            True,
-                            any(new_demanded.get(v, False) for v in float_outs),
-                        )
-                    )
-                    continue
-                # A matmul rounds its operands whatever reads its result.
-                passes = eqn.primitive.name not in R.MATMULS and any(
-                    new_demanded.get(v, False) for v in eqn.outvars
+                    node.mode == "compute"
+                    and name in R.RANGE_PRESERVING
+                    and name not in R.POOLING
+                    and all(new_only32.get(v, False) for v in float_outs)
                 )
-                if node.mode == "higher":
-                    passes = bool(node.data.demanded[i])
-                result.append((node.reads32[i], node.reads32[i] or passes))
+                result.append((reads32, node.reads32[i] or passes))
             for j in outputs.get(var, ()):
                 result.append((out_only32[j], out_demanded[j]))
             return result
