@@ -17,6 +17,7 @@ __all__ = [
     "loss_scaled",
     "operand_dtypes",
     "set_mesh",
+    "sharded_sum",
 ]
 
 
@@ -71,3 +72,23 @@ def operand_dtypes(jaxpr, primitive, *, prefix=False):
             else eqn.primitive.name == primitive
         )
     ]
+
+
+def sharded_sum(body):
+    """``sum(body(w, x))`` with ``body`` under ``jax.shard_map`` over 4
+    devices, ``w`` replicated and ``x`` split by rows (axis ``"x"``), for
+    the tests of collectives inside autocast; skips on fewer devices."""
+    import pytest
+    from jax.sharding import PartitionSpec as P
+
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices (conftest asks for 8 CPU devices)")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+    sharded = jax.shard_map(
+        body, mesh=mesh, in_specs=(P(), P("x")), out_specs=P("x")
+    )
+
+    def loss(w, x):
+        return jnp.sum(sharded(w, x))
+
+    return loss
