@@ -38,7 +38,7 @@ What is used, and what happens if it moves:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, cast
 
 import jax
@@ -205,6 +205,45 @@ def unchecked_manual_axes() -> frozenset[Any]:
     return axes
 
 
+# --- primitives by name ------------------------------------------------
+
+
+def _all_primitives() -> dict[str, Any]:
+    """Every primitive the installed JAX registers, by name: those
+    ``jax.extend.core.primitives`` exports, and those with a lowering
+    (``ragged_dot_general``, ``shard_map``, the varying-axes collectives),
+    which no public module lists."""
+    from jax.extend.core import primitives as public
+
+    found: dict[str, Any] = {}
+    try:
+        from jax._src.interpreters import mlir  # no public registry
+
+        lowered = [*mlir._lowerings]
+        for table in mlir._platform_specific_lowerings.values():
+            lowered.extend(table)
+    except (ImportError, AttributeError):  # pragma: no cover - every JAX
+        lowered = []
+    for primitive in lowered:
+        found.setdefault(primitive.name, primitive)
+    for value in vars(public).values():
+        if isinstance(value, jex_core.Primitive):
+            found[value.name] = value
+    return found
+
+
+_PRIMITIVES: dict[str, Any] | None = None
+
+
+def primitives_named(names: Iterable[str]) -> dict[str, Any]:
+    """The ``Primitive`` objects of the installed JAX with these names
+    (a name it does not have is left out)."""
+    global _PRIMITIVES
+    if _PRIMITIVES is None:
+        _PRIMITIVES = _all_primitives()
+    return {n: _PRIMITIVES[n] for n in names if n in _PRIMITIVES}
+
+
 # --- jaxpr evaluation ---------------------------------------------------
 
 
@@ -237,13 +276,13 @@ def bind_equation(
     if isinstance(params, tuple):  # jax < 0.8 returned (subfuns, params)
         subfuns, params = params
         invals = [*subfuns, *invals]
-    with _equation_context(eqn):
+    with equation_context(eqn):
         out = eqn.primitive.bind(*invals, **cast(dict[str, Any], params))
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
 @contextlib.contextmanager
-def _equation_context(eqn: Any) -> Iterator[None]:
+def equation_context(eqn: Any) -> Iterator[None]:
     info = getattr(eqn, "source_info", None)
     ctx = getattr(eqn, "ctx", None)
     with contextlib.ExitStack() as stack:
@@ -347,7 +386,7 @@ def bind_with_subfuns(
     wrapped = [jex_lu.wrap_init(f, debug_info=info) for f in subfuns]
     params = {k: v for k, v in eqn.params.items() if k not in drop}
     probe = eqn.primitive.get_bind_params(eqn.params)
-    with _equation_context(eqn):
+    with equation_context(eqn):
         if isinstance(probe, tuple):  # jax < 0.8: functions come first
             out = eqn.primitive.bind(*wrapped, *invals, **params)
         else:

@@ -41,6 +41,14 @@ def is_variable(x: Any) -> bool:
     return _is_variable(x)
 
 
+def is_trace_context_error(err: BaseException) -> bool:
+    """Whether ``err`` is flax's refusal to update state from an inner
+    trace (``flax.errors.TraceContextError``)."""
+    return type(err).__name__ == "TraceContextError" and type(
+        err
+    ).__module__.startswith("flax")
+
+
 def set_variable(x: Any, value: Any) -> None:
     """Sets the array a flax ``nnx.Variable`` holds."""
     set_value = getattr(x, "set_value", None)

@@ -869,31 +869,33 @@ def test_a_policy_storing_parameters_in_16_bits_is_refused(policy):
     lossscale.autocast(mlp_loss, "p=f32,c=f16,o=f32")
 
 
-def test_caches_serve_one_trace_and_a_new_trace_replans(mlp):
+def test_plans_live_exactly_as_long_as_their_jaxpr(mlp):
     # A function retraced every call kept every plan (and the jaxpr it was
-    # made for) alive: the caches are now emptied when a call ends, and
-    # the next trace plans again, to the same values.
-    from lossscale._autocast import _api
+    # made for) alive: plans are kept by a weak reference to their jaxpr,
+    # as JAX's own weakref_lru_cache keeps traces, and die with it.
+    import gc
+    import weakref
 
-    seen = []
-    real = _api._call
+    from lossscale._autocast import _infer
+    from lossscale._autocast._classes import Cls
+    from lossscale._autocast._config import Config
 
-    def spy(ctx, *rest):
-        seen.append(ctx)
-        return real(ctx, *rest)
-
-    f = lossscale.autocast(mlp_loss)
     params, x = mlp
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_api, "_call", spy)
-        first = jax.jit(jax.grad(f))(params, x)
-        (ctx,) = seen
-        assert not ctx.plans and not ctx.emitted and not ctx.facts
-        again = jax.jit(jax.grad(f))(params, x)  # a new trace, caches empty
-    for a, b in zip(
-        jax.tree.leaves(first), jax.tree.leaves(again), strict=True
-    ):
-        np.testing.assert_array_equal(a, b)
+    # A function of its own: JAX keeps a function's jaxprs while it lives.
+    fun = lambda params, x: mlp_loss(params, x)
+    jaxpr = jax.make_jaxpr(fun)(params, x).jaxpr
+    config = Config(np.dtype(jnp.float16))
+    classes = [Cls.F32] * len(jaxpr.invars)
+    plan = _infer.infer(config, jaxpr, [], classes, [True], [True])
+    # The same jaxpr and classes: the same plan, not a new one.
+    again = _infer.infer(config, jaxpr, [], classes, [True], [True])
+    assert again is plan
+    alive = weakref.ref(jaxpr)
+    before = len(_infer._PLANS)
+    del jaxpr, plan, again, fun
+    gc.collect()
+    assert alive() is None  # nothing of autocast's kept it alive
+    assert len(_infer._PLANS) < before  # and its plan died with it
 
 
 def test_eager_calls_are_compiled_per_static_argument(mlp):
@@ -943,9 +945,9 @@ def test_eager_calls_keep_the_most_recently_used_static_values(
 ):
     # Past the bound the least recently used compilation is dropped: a
     # value called again stays compiled, one left unused is traced again.
-    from lossscale._autocast import _api
+    from lossscale._autocast import _eager
 
-    monkeypatch.setattr(_api, "_COMPILED_LIMIT", 2)
+    monkeypatch.setattr(_eager, "COMPILED_LIMIT", 2)
     params, x = mlp
     traces = []
 

@@ -21,7 +21,7 @@ from jax.sharding import SingleDeviceSharding
 
 import lossscale
 from lossscale import _compat
-from lossscale._autocast._emit import ISLAND_SCOPE
+from lossscale._autocast._islands import SCOPE as ISLAND_SCOPE
 from tests.helpers import equations, operand_dtypes, sharded_sum
 
 F16, F32 = np.dtype(jnp.float16), np.dtype(np.float32)

@@ -95,7 +95,7 @@ def test_every_higher_order_param_of_this_jax_is_known():
     for name, params in found.items():
         if name == "custom_vjp_call":  # runs whole at its traced dtypes
             continue
-        assert name in _higher.HANDLERS, name
+        assert name in _higher.HANDLED, name
         unknown = params - _compat.HIGHER_ORDER_PARAMS[name]
         assert not unknown, (name, unknown)
 

@@ -5,24 +5,37 @@ is called with (float32 master weights, float32 data), then makes two
 passes over that jaxpr:
 
 1. :mod:`._infer` gives every value a precision class (:mod:`._classes`)
-   from the rules (:mod:`._rules`), without binding anything: forwards by
-   PyTorch's type promotion, backwards so that what only float32 reads is
-   float32. Loops iterate there, and plans are memoised per jaxpr and
-   input classes for the length of one trace (emptied when the call
-   ends, so that nothing of an earlier trace is kept alive).
+   from the rules, without binding anything: forwards by PyTorch's type
+   promotion, backwards so that what only float32 reads is float32. Loops
+   iterate there, and a jaxpr's plans are kept as long as the jaxpr lives
+   (:class:`._config.JaxprCache`), like JAX's own traces.
 2. :mod:`._emit` binds every equation once, at the dtypes planned, under
    the caller's trace, with :func:`lossscale._interpret.run` (the core the
    copy-free skip shares), so ``jax.grad`` of an autocast function
    differentiates the casts too: the backward pass of a float16 matmul is
    float16 matmuls, and the gradient of a float32 parameter, through the
-   cast that made it float16, is float32.
+   cast that made it float16, is float32. Runs of elementwise float32
+   work on 16-bit activations are recomputed in the backward pass, not
+   stored (:mod:`._islands`).
 
-Higher-order primitives (``jit``, ``scan``, ``while``, ``cond``,
-``checkpoint``, ``custom_jvp_call``, ``shard_map``) have one handler each,
-in one table (:data:`._higher.HANDLERS`). **A rule for a new primitive is
-one line in** :mod:`._rules`; a handler for a new higher-order primitive
-is one entry in :data:`._higher.HANDLERS`. Every JAX internal they read is
-in :mod:`lossscale._compat`.
+Where things are (each module imports only those listed before it):
+
+- :mod:`._classes`: the precision classes; :mod:`._cast`: casting values
+  to them; :mod:`._rules`: **the rule table, one record per primitive:
+  adding a rule for a new primitive is one line there**;
+  :mod:`._config`: the configuration and the caches.
+- :mod:`._islands`, :mod:`._infer` (its table :data:`._infer.KINDS`, one
+  rule per kind, and :data:`._infer.HIGHER`), :mod:`._emit` (its table
+  :data:`._emit.HIGHER`).
+- :mod:`._higher`: the handlers of higher-order primitives (``jit``,
+  ``scan``, ``while``, ``cond``, ``checkpoint``, ``custom_jvp_call``,
+  ``shard_map``), registered into both passes' tables: **a handler for a
+  new higher-order primitive is one entry there**.
+- :mod:`._run`: one call (trace, plan, emit, write NNX state back);
+  :mod:`._eager`: the wrapper, comparable, and its eager compilation;
+  :mod:`._api`: :func:`autocast` and :func:`float32_scope`.
+
+Every JAX internal they read is in :mod:`lossscale._compat`.
 """
 
 from lossscale._autocast._api import (

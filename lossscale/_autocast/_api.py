@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar, cast
 
@@ -12,10 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lossscale import _compat, _interop, _policy
-from lossscale._autocast import _emit, _higher, _infer
+from lossscale import _policy
+from lossscale._autocast import _eager, _higher, _infer
 from lossscale._autocast import _rules as R
-from lossscale._autocast._classes import F32_DTYPE, Cls, is_float
+from lossscale._autocast._classes import F32_DTYPE
+from lossscale._autocast._config import Config, frozen_items
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -142,13 +141,26 @@ def autocast(
         `autocast op reference
         <https://docs.pytorch.org/docs/stable/amp.html#autocast-op-reference>`_.
     """
-    if not callable(fun):
+    if not callable(fun) or _looks_like_dtype(fun):
+        hint = ""
+        if _looks_like_dtype(fun) and callable(compute_dtype):
+            hint = (
+                " (the arguments are swapped: autocast(fun, compute_dtype), "
+                "e.g. autocast(loss_fn, jnp.float16))"
+            )
+        if not hint and callable(fun):
+            hint = " (a dtype, not a function)"
         raise TypeError(
             f"fun must be callable, got fun={fun!r} of type "
-            f"{type(fun).__name__}."
+            f"{type(fun).__name__}{hint}."
         )
     if isinstance(compute_dtype, str) and _is_policy_string(compute_dtype):
+        keras = compute_dtype.strip().startswith("mixed_")
         compute_dtype = _policy.get_policy(compute_dtype)
+        if keras:
+            # Keras computes losses and metrics in float32 under its
+            # mixed policies: the outputs keep the dtypes fun gives them.
+            compute_dtype = compute_dtype.compute_dtype
     if isinstance(compute_dtype, _policy.Policy):
         if output_dtype is not None:
             raise TypeError(
@@ -167,122 +179,24 @@ def autocast(
             )
         output_dtype = compute_dtype.output_dtype
         compute_dtype = compute_dtype.compute_dtype
-    primitive, function, overrides = _tables(rules, function_rules)
-    ctx = _infer.Ctx(
+    rules_items, function_items = _tables(rules, function_rules)
+    config = Config(
         compute=check_compute_dtype(compute_dtype),
-        rules=primitive,
-        function_rules=function,
-        overrides=overrides,
+        rules=rules_items,
+        function_rules=function_items,
     )
     out_dtype = None if output_dtype is None else _float_dtype(output_dtype)
-    warned: set[tuple[str, str]] = set()
-
-    depth = [0]
-
-    def traced(*args: Any, **kwargs: Any) -> Any:
-        depth[0] += 1
-        try:
-            result = _call(ctx, out_dtype, fun, args, kwargs)
-        finally:
-            depth[0] -= 1
-            # The caches serve one trace (a jitted block called 48 times,
-            # a scan's body planned once), and keep the jaxprs they were
-            # made for alive: emptied when the outermost call ends, so
-            # that ``jax.grad(autocast(f))`` called eagerly, which traces
-            # anew each call, keeps nothing of the earlier calls.
-            if depth[0] == 0:
-                ctx.plans.clear()
-                ctx.emitted.clear()
-                ctx.facts.clear()
-        _warn_unused(ctx, warned)
-        return result
-
-    compiled: dict[Any, Callable[..., Any]] = {}
-
-    @functools.wraps(fun)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if _compat.tracing():
-            return traced(*args, **kwargs)
-        split = _split_static((args, kwargs))
-        if split is None:
-            return traced(*args, **kwargs)
-        key, arrays = split
-        run = compiled.pop(key, None)
-        if run is None:
-            if len(compiled) >= _COMPILED_LIMIT:
-                compiled.pop(next(iter(compiled)))  # the least recently used
-            run = jax.jit(_with_static(traced, key))
-        compiled[key] = run  # the most recently used, last
-        return run(*arrays)
-
-    return cast(F, wrapped)
+    return cast(F, _eager.wrap(fun, config, out_dtype))
 
 
-# Eager calls compiled per static arguments (a Python float, a string, a
-# flag): the least recently used are dropped past this many.
-_COMPILED_LIMIT = 64
-
-
-def _split_static(tree: Any) -> tuple[Any, list[Any]] | None:
-    """An eager call's arguments as (a hashable key of everything but the
-    arrays, the arrays), as equinox's ``filter_jit`` splits them; None
-    where that cannot be compiled and cached (NNX state, which is written
-    back; an unhashable leaf)."""
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=_interop.is_variable)
-    arrays, static = [], []
-    for i, leaf in enumerate(leaves):
-        if _interop.is_variable(leaf):
-            return None
-        if isinstance(leaf, jax.Array | np.ndarray | np.generic):
-            arrays.append(leaf)
-        else:
-            # The type too: True == 1 == 1.0, but they trace differently.
-            static.append((i, type(leaf), leaf))
-    key = (treedef, len(leaves), tuple(static))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key, arrays
-
-
-def _with_static(traced: Callable[..., Any], key: Any) -> Callable[..., Any]:
-    """``traced`` of the arrays, the static leaves of ``key`` put back."""
-    treedef, n, static = key
-    fixed = {i: leaf for i, _, leaf in static}
-    dynamic = [i for i in range(n) if i not in fixed]
-
-    def run(*arrays: Any) -> Any:
-        leaves = [fixed.get(i) for i in range(n)]
-        for i, array in zip(dynamic, arrays, strict=True):
-            leaves[i] = array
-        args, kwargs = jax.tree.unflatten(treedef, leaves)
-        return traced(*args, **kwargs)
-
-    return run
-
-
-def _warn_unused(ctx: _infer.Ctx, warned: set[tuple[str, str]]) -> None:
-    for kind, name in sorted(ctx.overrides - ctx.used - warned):
-        if kind == "primitive" and name in ctx.functions:
-            raise ValueError(
-                f"rules[{name!r}]: {name!r} is a function of the traced "
-                "program, not a primitive: give its rule in "
-                f"function_rules={{{name!r}: ...}} ('float32' or "
-                "'autocast'; a function cannot be bound at other dtypes "
-                "than its own, so 'compute' and 'promote' are primitives' "
-                "rules only)."
-            )
-        warned.add((kind, name))
-        where = "rules" if kind == "primitive" else "function_rules"
-        warnings.warn(
-            f"lossscale.autocast: {where}[{name!r}] matches no "
-            f"{'primitive' if kind == 'primitive' else 'function'} of the "
-            "traced program (a typo, or a function that is not jax.jit-ed, "
-            "custom_jvp or custom_vjp?).",
-            UserWarning,
-            stacklevel=3,
-        )
+def _looks_like_dtype(x: Any) -> bool:
+    """A dtype or a scalar type (``jnp.float16`` is callable)."""
+    if isinstance(x, np.dtype):
+        return True
+    return isinstance(x, type) and (
+        issubclass(x, np.generic)
+        or isinstance(getattr(x, "dtype", None), np.dtype)
+    )
 
 
 def _is_policy_string(spec: str) -> bool:
@@ -346,13 +260,13 @@ def _check_table(
 
 def _tables(
     rules: Mapping[str, str] | None, function_rules: Mapping[str, str] | None
-) -> tuple[dict[str, R.Rule], dict[str, R.FunctionRule], frozenset]:
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     primitive = _check_table("rules", rules, R.RULES_ACCEPTED)
     function = _check_table(
         "function_rules", function_rules, R.FUNCTION_RULES_ACCEPTED
     )
     for key in primitive:
-        if key in R.FUNCTION_RULES or key in _higher.HANDLERS:
+        if key in R.FUNCTION_RULES or key in _higher.HANDLED:
             raise ValueError(
                 f"rules[{key!r}]: {key!r} is "
                 + (
@@ -364,15 +278,7 @@ def _tables(
                 )
                 + "."
             )
-    overrides = frozenset(
-        [("primitive", k) for k in primitive]
-        + [("function", k) for k in function]
-    )
-    return (
-        {**R.PRIMITIVE_RULES, **primitive},  # type: ignore[dict-item]
-        {**R.FUNCTION_RULES, **function},  # type: ignore[dict-item]
-        overrides,
-    )
+    return frozen_items(primitive), frozen_items(function)
 
 
 @contextlib.contextmanager
@@ -398,100 +304,3 @@ def float32_scope() -> Iterator[None]:
     """
     with jax.named_scope(FLOAT32_SCOPE):
         yield
-
-
-# --- tracing, planning and emitting -----------------------------------------
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, jax.Array | np.ndarray | np.generic) or (
-        _compat.is_tracer(x)
-    )
-
-
-def _input_class(ctx: _infer.Ctx, x: Any) -> Cls:
-    dtype = _emit.dtype_of(x)
-    if isinstance(x, np.ndarray | np.generic):
-        # JAX reads a NumPy array in its own dtype for it: a float64 batch
-        # (what data loaders give) is float32 unless x64 is enabled.
-        dtype = cast(Any, jax.typeof(x)).dtype
-    if not is_float(dtype) or np.dtype(dtype).itemsize > 4:
-        return Cls.KEEP
-    if np.dtype(dtype) == F32_DTYPE:
-        return Cls.F32
-    if np.dtype(dtype) == ctx.compute:
-        return Cls.LOW
-    return Cls.KEEP
-
-
-def _call(
-    ctx: _infer.Ctx,
-    out_dtype: np.dtype | None,
-    fun: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> Any:
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
-    # State that fun updates in place (flax NNX's Variables: BatchNorm's
-    # statistics, an RNG's counter) is updated in the copies fun is traced
-    # with: it comes out of the trace as extra outputs and is written back.
-    holders = jax.tree.leaves((args, kwargs), is_leaf=_interop.is_variable)
-    mutable = [
-        j
-        for j, i in enumerate(dynamic)
-        if len(holders) == len(leaves) and _interop.is_variable(holders[i])
-    ]
-    record: dict[str, Any] = {}
-
-    def flat(*arrays: Any) -> Any:
-        full = list(leaves)
-        for i, array in zip(dynamic, arrays, strict=True):
-            full[i] = array
-        a, k = jax.tree.unflatten(treedef, full)
-        out = fun(*a, **k)
-        after = jax.tree.leaves((a, k))
-        changed = [
-            j
-            for j in mutable
-            if len(after) == len(leaves) and after[dynamic[j]] is not arrays[j]
-        ]
-        record["changed"] = changed
-        return out, [after[dynamic[j]] for j in changed]
-
-    arrays = [leaves[i] for i in dynamic]
-    closed, (out_shape, _) = jax.make_jaxpr(flat, return_shape=True)(*arrays)
-    jaxpr = closed.jaxpr
-    # Outputs read in float32 (their traced dtype, or output_dtype) let
-    # the last elementwise operations before them run in float32 too.
-    wide = out_dtype is None or out_dtype.itemsize >= 4
-    n = len(jaxpr.outvars)
-    plan = _infer.infer(
-        ctx,
-        jaxpr,
-        _higher.const_infos(ctx, closed.consts),
-        [_input_class(ctx, x) for x in arrays],
-        [wide] * n,
-        [wide] * n,
-    )
-    outs = _emit.emit(
-        ctx, jaxpr, plan, _emit.store(ctx, closed.consts, plan.consts), arrays
-    )
-    n_out = len(jax.tree.leaves(out_shape))
-    results = []
-    for x, atom in zip(outs[:n_out], jaxpr.outvars, strict=False):
-        # Through dtype_of: jax 0.12 types an outvar's aval as the
-        # abstract base class, which has no dtype attribute.
-        dtype = _emit.dtype_of(atom.aval)
-        if out_dtype is not None and is_float(dtype):
-            dtype = out_dtype
-        if not isinstance(x, jax.Array):
-            # A constant output is a literal of the jaxpr (jax's own int
-            # and float subclasses): an array, as jax.jit returns it.
-            x = jnp.asarray(x)
-        results.append(_emit.cast(x, dtype))
-    for j, x in zip(record["changed"], outs[n_out:], strict=True):
-        _interop.set_variable(
-            holders[dynamic[j]], _emit.cast(x, _emit.dtype_of(arrays[j]))
-        )
-    return jax.tree.unflatten(jax.tree.structure(out_shape), results)

@@ -3,9 +3,10 @@
 Each value of the traced program gets one class, chosen by the inference
 pass (:mod:`._infer`) before anything is bound:
 
-- ``CONST``: a float32 value known at trace time whose every element the
-  compute dtype holds (a literal ``0.5``, a mask fill of ``-1e4``, a
-  ``jnp.float32(2.0)``): it takes its partner's dtype.
+- ``CONST16``: a float32 constant whose every element the 16-bit compute
+  dtype holds (a literal ``0.5``, a mask fill of ``-1e4``, a
+  ``jnp.float32(2.0)``, a boolean mask converted to float32): it takes its
+  partner's dtype.
 - ``LOW``: a value in the compute dtype (a matmul's result, what is
   computed from it and such constants).
 - ``F32``: a float32 value: a parameter, an input, a statistic, a
@@ -15,7 +16,7 @@ pass (:mod:`._infer`) before anything is bound:
   float64, and float dtypes other than float32 and the compute dtype.
 
 The order is the join used where one value must have one class (a loop's
-carry, a conditional's outputs): ``CONST < LOW < F32 < KEEP``.
+carry, a conditional's outputs): ``CONST16 < LOW < F32 < KEEP``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ F32_DTYPE = np.dtype(np.float32)
 
 
 class Cls(enum.IntEnum):
-    CONST = 0
+    CONST16 = 0
     LOW = 1
     F32 = 2
     KEEP = 3
@@ -95,5 +96,21 @@ def of_value(value: Any, dtype: Any, compute: np.dtype) -> Cls:
     """The class of a value known at trace time."""
     cls = of_dtype(dtype, compute)
     if cls == Cls.F32 and fits(value, compute):
-        return Cls.CONST
+        return Cls.CONST16
     return cls
+
+
+def of_conversion(source: Any, new: Any, compute: np.dtype) -> Cls | None:
+    """The class of ``convert_element_type`` from a non-float ``source``
+    to float32 when every value of ``source`` is exact in ``compute``
+    (booleans, 8-bit integers: a dropout mask, int8 weights), else
+    ``None``: such a value takes its partner's dtype, as a constant the
+    compute dtype holds does."""
+    if np.dtype(new) != F32_DTYPE or is_float(source):
+        return None
+    source = np.dtype(source)
+    if source == np.bool_ or (
+        jnp.issubdtype(source, jnp.integer) and source.itemsize == 1
+    ):
+        return Cls.CONST16
+    return None

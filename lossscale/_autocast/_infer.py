@@ -2,17 +2,23 @@
 
 :func:`infer` walks a jaxpr forwards and backwards until nothing changes,
 and returns a :class:`Plan`: for each equation the dtype it runs in
-(:class:`Node`) and the classes of its results. Nothing is traced here:
-a loop's carry classes are found by iterating this pass over the loop's
-body, and the plan of a jaxpr is memoised per input classes, so a
-function called many times (a ``jax.jit``-ed block, a scan's body) is
-inferred once.
+(:class:`Node`, whose :class:`Mode` says how its operands are cast) and
+the classes of its results. Nothing is traced here: a loop's carry
+classes are found by iterating this pass over the loop's body, and the
+plan of a jaxpr is kept, per configuration and input classes, as long as
+the jaxpr lives (:class:`._config.JaxprCache`): a ``jax.jit``-ed block
+called many times, in one call or many, is planned once.
 
-Forwards, each equation's rule (:mod:`._rules`) picks its dtype from its
-operands' classes: the result is float32 where a float operand is float32
+This pass owns its tables: first-order equations go by their record's
+kind (:data:`KINDS`, one function a kind of :mod:`._rules`), higher-order
+ones by :data:`HIGHER`, which :mod:`._higher` registers into.
+
+Forwards, each equation's rule picks its dtype from its operands'
+classes: the result is float32 where a float operand is float32
 (PyTorch's promotion), so a float32 value is never rounded to 16 bits
-except as a matmul's or convolution's operand. Backwards, two facts flow
-from readers to writers:
+except as a matmul's or convolution's operand. Backwards, three facts
+flow from readers to writers, each only ever turning from false to true
+(so the iteration ends):
 
 - *only read in float32*: an elementwise equation whose every reader runs
   in float32 runs in float32 itself (``exp(x - max)`` subtracts in
@@ -23,66 +29,65 @@ from readers to writers:
 - *demanded*: a bounded function (``sigmoid``, ``tanh``) whose result
   reaches a float32 operation, directly or through elementwise equations,
   keeps its result in float32 (``log(sigmoid(z))``, ``clip(p, eps,
-  1 - eps)`` before a log).
-
-Both only ever add float32, so the iteration ends.
+  1 - eps)`` before a log);
+- *unrounded*: some use of the value does not round it to the compute
+  dtype. A value every use rounds anyway (a bias add before a relu and
+  the next matmul) is rounded where it is made, once: the same values,
+  and 16 bits for the backward pass to keep.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import enum
+import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from lossscale import _compat
-from lossscale._autocast import _higher
+from lossscale._autocast import _islands
 from lossscale._autocast import _rules as R
-from lossscale._autocast._classes import Cls, Info, is_float, of_dtype, of_value
+from lossscale._autocast._classes import (
+    Cls,
+    Info,
+    is_float,
+    of_conversion,
+    of_dtype,
+    of_value,
+)
+from lossscale._autocast._config import Config, JaxprCache
 
 FLOAT32_SCOPE = "lossscale_float32"
 _SCOPE_RE = re.compile(r"(?:^|[/(])" + FLOAT32_SCOPE + r"(?:$|[/)])")
-_FOLD_SIZE = 4096
-
-# The rule autocast had before issue 28, for the tests' negative control
-# only: an activation meeting a float32 value computed in float32 and
-# rounded back to the compute dtype (-1e9 became -inf there), with no
-# backward facts to catch it.
-ROUND_MIXED = False
+# Constants larger than this are not computed at trace time.
+FOLD_SIZE = 4096
+_CONVERT = _compat.primitives_named(["convert_element_type"])[
+    "convert_element_type"
+]
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Ctx:
-    """One autocast function's configuration, and its caches."""
+class Mode(enum.Enum):
+    """How an equation's float operands are cast before it is bound."""
 
-    compute: np.dtype
-    rules: Mapping[str, R.Rule]
-    function_rules: Mapping[str, R.FunctionRule]
-    overrides: frozenset[tuple[str, str]] = frozenset()
-    used: set[tuple[str, str]] = dataclasses.field(default_factory=set)
-    plans: dict[Any, Any] = dataclasses.field(default_factory=dict)
-    # Facts about an equation or a literal that do not depend on classes,
-    # by id (the plans keep the jaxprs, hence the ids, alive).
-    facts: dict[int, Any] = dataclasses.field(default_factory=dict)
-    functions: set[str] = dataclasses.field(default_factory=set)
-    emitted: dict[Any, Any] = dataclasses.field(default_factory=dict)
+    COMPUTE = "compute"  # to the compute dtype
+    FLOAT32 = "float32"  # to float32
+    TRACED = "traced"  # to the dtypes it was traced with
+    CONVERT = "convert"  # an explicit cast of the program: kept
+    HIGHER = "higher"  # a handler of ._higher emits it from ``data``
 
 
 class Node(NamedTuple):
     """The plan of one equation.
 
-    ``mode``: ``"compute"`` (float operands cast to the compute dtype),
-    ``"float32"`` (to float32), ``"traced"`` (to the dtypes the equation
-    was traced with) or ``"higher"`` (a handler of :mod:`._higher` emits
-    it from ``data``). ``outs``: the classes of its results, which the
-    emitted values are stored in. ``reads32``: per operand, whether the
-    equation reads it in float32.
+    ``outs``: the classes of its results, which the emitted values are
+    stored in. ``reads32``: per operand, whether the equation reads it in
+    float32. ``remat``: its derivative is recomputed from its operands.
     """
 
-    mode: str
+    mode: Mode
     ins: tuple[Cls, ...]
     outs: tuple[Cls, ...]
     reads32: tuple[bool, ...]
@@ -100,6 +105,43 @@ class Plan(NamedTuple):
     islands: Mapping[int, int]  # float32 islands: first index -> end
     pure: bool  # only elementwise equations: may be part of an island
     exact: bool  # only data movement, selection and max/min
+    # The user's overrides it applied, and the functions it called (by
+    # name), its sub-plans' included.
+    used: frozenset[tuple[str, str]] = frozenset()
+    functions: frozenset[str] = frozenset()
+
+
+# --- the table of higher-order primitives ----------------------------------
+
+InferHigher = Callable[[Config, Any, list[Info], list[bool], list[bool]], Node]
+
+
+class Higher(NamedTuple):
+    """A higher-order primitive's inference rule. ``island``: a call
+    (``jit``, ``custom_jvp_call``) that may be part of a float32 island
+    when its jaxprs are elementwise only."""
+
+    infer: InferHigher
+    island: bool = False
+
+
+HIGHER: dict[Any, Higher] = {}
+
+
+def register(primitive: Any, infer: InferHigher, *, island: bool) -> None:
+    """Registers a higher-order primitive's inference rule."""
+    HIGHER[primitive] = Higher(infer, island)
+
+
+# --- what a jaxpr's equations are, whatever the classes --------------------
+
+
+class EqnFacts(NamedTuple):
+    scoped: bool  # traced inside float32_scope
+    function: str | None  # the name of the function it calls
+    record: R.Record | None  # its default record
+    matmul: bool
+    moves: bool  # moves or selects values (an explicit cast included)
 
 
 def in_float32_scope(eqn: Any) -> bool:
@@ -108,80 +150,149 @@ def in_float32_scope(eqn: Any) -> bool:
     return _SCOPE_RE.search(_compat.name_stack(eqn)) is not None
 
 
-class _EqnFacts(NamedTuple):
-    scoped: bool
-    function: str | None
+def _eqn_facts(eqn: Any) -> EqnFacts:
+    record = R.TABLE.get(eqn.primitive)
+    return EqnFacts(
+        scoped=in_float32_scope(eqn),
+        function=_compat.function_name(eqn),
+        record=record,
+        matmul=record is not None and record.kind is R.Kind.MATMUL,
+        moves=(record is not None and record.moves)
+        or eqn.primitive is _CONVERT,
+    )
 
 
-def _facts(ctx: Ctx, eqn: Any) -> _EqnFacts:
-    hit = ctx.facts.get(id(eqn))
-    if hit is None or hit[0] is not eqn:
-        name = _compat.function_name(eqn)
-        hit = (eqn, _EqnFacts(in_float32_scope(eqn), name))
-        ctx.facts[id(eqn)] = hit
-        if name is not None:
-            ctx.functions.add(name)
-    return hit[1]
+class JaxprFacts:
+    """A jaxpr's readers and outputs, and its equations' facts."""
+
+    def __init__(self, jaxpr: Any) -> None:
+        self.eqns: list[Any] = list(jaxpr.eqns)
+        self.readers: dict[Any, list[tuple[Any, int]]] = {}
+        for eqn in self.eqns:
+            for i, atom in enumerate(eqn.invars):
+                if _compat.is_var(atom):
+                    self.readers.setdefault(atom, []).append((eqn, i))
+        self.outputs: dict[Any, list[int]] = {}
+        for j, atom in enumerate(jaxpr.outvars):
+            if _compat.is_var(atom):
+                self.outputs.setdefault(atom, []).append(j)
+        self.of: dict[Any, EqnFacts] = {e: _eqn_facts(e) for e in self.eqns}
+        self.functions = frozenset(
+            f.function for f in self.of.values() if f.function is not None
+        )
+        self._literals: dict[Any, Info] = {}
+        self._jaxpr_outvars = list(jaxpr.outvars)
+
+    def cone(self, outputs: Sequence[bool]) -> frozenset[Any]:
+        """The equations the flagged outputs depend on, at any remove."""
+        writer = {v: e for e in self.eqns for v in e.outvars}
+        todo = [
+            a
+            for a, flag in zip(self._jaxpr_outvars, outputs, strict=True)
+            if flag and _compat.is_var(a)
+        ]
+        found: set[Any] = set()
+        while todo:
+            eqn = writer.get(todo.pop())
+            if eqn is not None and eqn not in found:
+                found.add(eqn)
+                todo.extend(a for a in eqn.invars if _compat.is_var(a))
+        return frozenset(found)
+
+    def literal(self, atom: Any, compute: np.dtype) -> Info:
+        # By id: literals are unhashable, and this object's equations
+        # keep them alive.
+        key = (id(atom), compute)
+        hit = self._literals.get(key)
+        if hit is None:
+            value = _compat.literal_value(atom)
+            hit = Info(of_value(value, atom.aval.dtype, compute), value)
+            self._literals[key] = hit
+        return hit
 
 
-def _literal(ctx: Ctx, atom: Any) -> Info:
-    hit = ctx.facts.get(id(atom))
-    if hit is None or hit[0] is not atom:
-        value = _compat.literal_value(atom)
-        info = Info(of_value(value, atom.aval.dtype, ctx.compute), value)
-        hit = ctx.facts[id(atom)] = (atom, info)
-    return hit[1]
+_FACTS = JaxprCache()
+_PLANS = JaxprCache()
+
+
+def facts(jaxpr: Any) -> JaxprFacts:
+    """The facts of ``jaxpr`` (computed once while it lives)."""
+    return _FACTS.get(jaxpr, None, lambda: JaxprFacts(jaxpr))
 
 
 def infer(
-    ctx: Ctx,
+    config: Config,
     jaxpr: Any,
     consts: Sequence[Info],
     ins: Sequence[Cls],
     only32: Sequence[bool],
     demanded: Sequence[bool],
+    as_traced: Sequence[bool] = (),
 ) -> Plan:
-    """The plan of an open ``jaxpr`` for these classes (memoised)."""
+    """The plan of an open ``jaxpr`` for these classes (kept while the
+    jaxpr lives).
+
+    Args:
+        config: the configuration.
+        jaxpr: an open jaxpr.
+        consts: what is known of its constants.
+        ins: the classes of its inputs.
+        only32: per output, whether only float32 reads it.
+        demanded: per output, whether it reaches a float32 operation.
+        as_traced: per output (default: none), whether it is computed at
+            its traced dtypes, with every equation it depends on (a
+            loop's stopping decision).
+    """
     key = (
-        id(jaxpr),
+        config,
         tuple(c.cls for c in consts),
         tuple(ins),
         tuple(only32),
         tuple(demanded),
+        tuple(as_traced),
     )
-    hit = ctx.plans.get(key)
-    if hit is not None and hit[0] is jaxpr:
-        return hit[1]
-    plan = _infer(ctx, jaxpr, consts, tuple(ins), only32, demanded)
-    # The jaxpr is kept with its plan, so that its id is not reused.
-    ctx.plans[key] = (jaxpr, plan)
-    return plan
+    return _PLANS.get(
+        jaxpr,
+        key,
+        lambda: _plan(
+            config, jaxpr, consts, tuple(ins), only32, demanded, as_traced
+        ),
+    )
 
 
-def _infer(
-    ctx: Ctx,
+class _Planning:
+    """What one plan's making collects: the overrides it applied, and the
+    constants it computed (each equation folded once)."""
+
+    def __init__(self, config: Config, facts: JaxprFacts) -> None:
+        self.config = config
+        self.facts = facts
+        self.used: set[tuple[str, str]] = set()
+        self.as_traced: frozenset[Any] = frozenset()
+        self.folded: dict[Any, tuple[tuple[int, ...], Any, Any]] = {}
+
+
+def _plan(
+    config: Config,
     jaxpr: Any,
     consts: Sequence[Info],
     ins: tuple[Cls, ...],
     out_only32: Sequence[bool],
     out_demanded: Sequence[bool],
+    as_traced: Sequence[bool],
 ) -> Plan:
-    eqns = list(jaxpr.eqns)
-    readers: dict[Any, list[tuple[Any, int]]] = {}
-    for eqn in eqns:
-        for i, atom in enumerate(eqn.invars):
-            if _compat.is_var(atom):
-                readers.setdefault(atom, []).append((eqn, i))
-    outputs: dict[Any, list[int]] = {}
-    for j, atom in enumerate(jaxpr.outvars):
-        if _compat.is_var(atom):
-            outputs.setdefault(atom, []).append(j)
+    jf = facts(jaxpr)
+    planning = _Planning(config, jf)
+    if any(as_traced):
+        planning.as_traced = jf.cone(as_traced)
+    eqns, readers, outputs = jf.eqns, jf.readers, jf.outputs
+    compute = config.compute
 
     only32: dict[Any, bool] = {}
     demanded: dict[Any, bool] = {}
-    rounded: dict[Any, bool] = {}
+    unrounded: dict[Any, bool] = {}
     n_vars = sum(len(e.outvars) for e in eqns)
-    for round_ in range(3 * n_vars + 2):
+    for _ in range(3 * n_vars + 2):
         env: dict[Any, Info] = {}
         for var, info in zip(jaxpr.constvars, consts, strict=True):
             env[var] = info
@@ -190,23 +301,18 @@ def _infer(
 
         def read(atom: Any, env: dict[Any, Info] = env) -> Info:
             if _compat.is_literal(atom):
-                return _literal(ctx, atom)
+                return jf.literal(atom, compute)
             return env[atom]
 
         nodes: dict[Any, Node] = {}
         for eqn in eqns:
-            infos = [read(a) for a in eqn.invars]
             node, outs = _forward(
-                ctx,
+                planning,
                 eqn,
-                infos,
+                [read(a) for a in eqn.invars],
                 [only32.get(v, False) for v in eqn.outvars],
                 [demanded.get(v, False) for v in eqn.outvars],
-                # "Rounded anyway" starts true and only becomes false:
-                # the other facts only become true, from float32 a first
-                # round would otherwise see where no float32 remains (a
-                # bias add before a relu, pooling and a conv).
-                [rounded.get(v, round_ == 0) for v in eqn.outvars],
+                [unrounded.get(v, False) for v in eqn.outvars],
             )
             nodes[eqn] = node
             for var, info in zip(eqn.outvars, outs, strict=True):
@@ -216,39 +322,38 @@ def _infer(
         # Backwards: what each variable's readers make of it.
         new_only32: dict[Any, bool] = {}
         new_demanded: dict[Any, bool] = {}
-        new_rounded: dict[Any, bool] = {}
+        new_unrounded: dict[Any, bool] = {}
 
-        def rounded_by(
+        def is_unrounded(
             var: Any,
             nodes: dict[Any, Node] = nodes,
-            new_rounded: dict[Any, bool] = new_rounded,
+            new_unrounded: dict[Any, bool] = new_unrounded,
         ) -> bool:
-            """Every use rounds it to the compute dtype anyway: a matmul's
-            operand, through exact operations (a relu, max pooling, a
-            reshape), which commute with the rounding."""
+            """Whether some use does not round it to the compute dtype
+            anyway (every use is a matmul's operand, through exact
+            operations: a relu, max pooling, a reshape, which commute with
+            the rounding)."""
             if var in outputs:
-                return False
+                return True
             found = False
             for eqn, _ in readers.get(var, ()):
                 node = nodes[eqn]
-                name = eqn.primitive.name
-                if node.mode == "compute" and name in R.MATMULS:
+                ef = jf.of[eqn]
+                if node.mode is Mode.COMPUTE and ef.matmul:
                     found = True
                     continue
-                exact = (
-                    name in R.RANGE_PRESERVING and node.mode != "convert"
-                ) or (
-                    node.mode == "higher"
-                    and name in _ISLAND_CALLS
+                exact = (ef.moves and node.mode is not Mode.CONVERT) or (
+                    node.mode is Mode.HIGHER
+                    and HIGHER[eqn.primitive].island
                     and all(p.exact for p in node.data.plans)
                 )
                 floats = [v for v in eqn.outvars if is_float(v.aval.dtype)]
                 if not (exact and floats):
-                    return False
-                if not all(new_rounded.get(v, False) for v in floats):
-                    return False
+                    return True
+                if any(new_unrounded.get(v, True) for v in floats):
+                    return True
                 found = True
-            return found
+            return not found
 
         def uses(
             var: Any,
@@ -262,20 +367,20 @@ def _infer(
             result: list[tuple[bool | None, bool]] = []
             for eqn, i in readers.get(var, ()):
                 node = nodes[eqn]
-                name = eqn.primitive.name
+                ef = jf.of[eqn]
                 float_outs = [v for v in eqn.outvars if is_float(v.aval.dtype)]
                 if (
-                    node.mode == "compute"
-                    and name not in R.MATMULS
+                    node.mode is Mode.COMPUTE
+                    and not ef.matmul
                     and not float_outs
                 ):
                     result.append((None, False))
                     continue
                 # A matmul rounds its operands whatever reads its result.
-                passes = name not in R.MATMULS and any(
+                passes = not ef.matmul and any(
                     new_demanded.get(v, False) for v in eqn.outvars
                 )
-                if node.mode == "higher":
+                if node.mode is Mode.HIGHER:
                     passes = bool(node.data.demanded[i])
                 reads32 = node.reads32[i] or (
                     # A move or selection whose results only float32 reads
@@ -283,9 +388,9 @@ def _infer(
                     # (exact), and is float32 for a float32 one, so that
                     # softmax's max subtraction does not keep the scores
                     # 16-bit (``softmax((x @ w) * 1e3)`` scales in float32).
-                    node.mode == "compute"
-                    and name in R.RANGE_PRESERVING
-                    and name not in R.POOLING
+                    node.mode is Mode.COMPUTE
+                    and ef.moves
+                    and not (ef.record is not None and ef.record.pooling)
                     and all(new_only32.get(v, False) for v in float_outs)
                 )
                 result.append((reads32, node.reads32[i] or passes))
@@ -299,149 +404,137 @@ def _infer(
                 reads = [r for r, _ in u if r is not None]
                 new_only32[var] = bool(reads) and all(reads)
                 new_demanded[var] = any(d for _, d in u)
-                new_rounded[var] = rounded_by(var)
+                new_unrounded[var] = is_unrounded(var)
         in_reads32 = []
         in_demanded = []
         for var in jaxpr.invars:
             u = uses(var)
             in_reads32.append(any(r for r, _ in u))
             in_demanded.append(any(d for _, d in u))
-        # Each fact changes at most once (float32 facts only become true,
-        # "rounded anyway" only false), so the iteration ends.
-        first = round_ == 0
         acc_only32 = {
             v: f or only32.get(v, False) for v, f in new_only32.items()
         }
         acc_demanded = {
             v: f or demanded.get(v, False) for v, f in new_demanded.items()
         }
-        acc_rounded = {
-            v: f and (first or rounded.get(v, False))
-            for v, f in new_rounded.items()
+        acc_unrounded = {
+            v: f or unrounded.get(v, False) for v, f in new_unrounded.items()
         }
         if (
             acc_only32 == only32
             and acc_demanded == demanded
-            and acc_rounded == rounded
+            and acc_unrounded == unrounded
         ):
-            members = _members(ctx, eqns, nodes)
-            return Plan(
+            return _finish(
+                planning,
                 nodes,
                 tuple(c.cls for c in consts),
                 ins,
                 out_classes,
                 tuple(in_reads32),
                 tuple(in_demanded),
-                _islands(eqns, nodes, members),
-                all(members),
-                _exact(eqns, nodes),
             )
-        only32, demanded, rounded = acc_only32, acc_demanded, acc_rounded
+        only32, demanded, unrounded = acc_only32, acc_demanded, acc_unrounded
 
-    raise AssertionError(  # pragma: no cover - each fact changes once
+    raise RuntimeError(  # pragma: no cover - each fact changes once
         "lossscale.autocast: the inference pass did not converge."
     )
 
 
-def _members(
-    ctx: Ctx, eqns: Sequence[Any], nodes: Mapping[Any, Node]
-) -> list[bool]:
-    """Which equations may be part of a float32 island: elementwise ones
-    and data movement (no matmul), and calls of such only (``jax.nn.relu``
-    is a ``custom_jvp`` of a ``jax.jit``)."""
+def _finish(
+    planning: _Planning,
+    nodes: dict[Any, Node],
+    consts: tuple[Cls, ...],
+    ins: tuple[Cls, ...],
+    outs: tuple[Cls, ...],
+    reads32: tuple[bool, ...],
+    demanded: tuple[bool, ...],
+) -> Plan:
+    jf = planning.facts
+    members = [_member(jf, e, nodes[e]) for e in jf.eqns]
+    upcasts = [
+        nodes[e].mode is Mode.FLOAT32 and Cls.LOW in nodes[e].ins
+        for e in jf.eqns
+    ]
+    used = set(planning.used)
+    functions = set(jf.functions)
+    for node in nodes.values():
+        if node.mode is Mode.HIGHER:
+            for sub in node.data.plans:
+                used |= sub.used
+                functions |= sub.functions
+    return Plan(
+        nodes,
+        consts,
+        ins,
+        outs,
+        reads32,
+        demanded,
+        _islands.find(jf.eqns, upcasts, members),
+        all(members),
+        _exact(jf, nodes),
+        frozenset(used),
+        frozenset(functions),
+    )
 
-    def member(eqn: Any) -> bool:
-        node = nodes[eqn]
-        name = eqn.primitive.name
-        if _facts(ctx, eqn).scoped:
-            return False
-        if node.mode == "higher":
-            return name in _ISLAND_CALLS and all(
-                p.pure for p in node.data.plans
-            )
-        return (
-            node.mode in ("compute", "float32", "traced", "convert")
-            and name not in R.MATMULS
-            and (name in R.PRIMITIVE_RULES or name == "convert_element_type")
+
+def _member(jf: JaxprFacts, eqn: Any, node: Node) -> bool:
+    """Whether an equation may be part of a float32 island: elementwise
+    equations and data movement (no matmul), and calls of such only
+    (``jax.nn.relu`` is a ``custom_jvp`` of a ``jax.jit``)."""
+    ef = jf.of[eqn]
+    if ef.scoped:
+        return False
+    if node.mode is Mode.HIGHER:
+        return HIGHER[eqn.primitive].island and all(
+            p.pure for p in node.data.plans
         )
+    if eqn.primitive is _CONVERT:
+        return True
+    return (
+        node.mode is not Mode.HIGHER
+        and not ef.matmul
+        and ef.record is not None
+        and ef.record.island
+    )
 
-    return [member(e) for e in eqns]
 
-
-_ISLAND_CALLS = frozenset({"jit", "pjit", "custom_jvp_call"})
-
-
-def _exact(eqns: Sequence[Any], nodes: Mapping[Any, Node]) -> bool:
+def _exact(jf: JaxprFacts, nodes: Mapping[Any, Node]) -> bool:
     """Whether a jaxpr only moves, selects and compares values (a relu):
     rounding its operands or its results gives the same values."""
-    for eqn in eqns:
+    for eqn in jf.eqns:
         node = nodes[eqn]
-        name = eqn.primitive.name
-        if node.mode == "higher":
-            if name not in _ISLAND_CALLS or not all(
+        if node.mode is Mode.HIGHER:
+            if not HIGHER[eqn.primitive].island or not all(
                 p.exact for p in node.data.plans
             ):
                 return False
         elif not (
-            name in R.RANGE_PRESERVING
+            jf.of[eqn].moves
             or not any(is_float(v.aval.dtype) for v in eqn.outvars)
         ):
             return False
     return True
 
 
-def _islands(
-    eqns: Sequence[Any], nodes: Mapping[Any, Node], members: Sequence[bool]
-) -> dict:
-    """Runs of consecutive elementwise equations that read a compute-dtype
-    activation in float32 (a bias add and the GELU after it, a norm's
-    output, a bias, relu and max pooling): each is emitted under
-    ``jax.checkpoint``, so that the backward pass keeps the 16-bit
-    activation it starts from, not the float32 values it computes, and
-    recomputes them (they are cheap)."""
-
-    def upcast(eqn: Any) -> bool:
-        node = nodes[eqn]
-        return node.mode == "float32" and Cls.LOW in node.ins
-
-    islands = {}
-    i = 0
-    while i < len(eqns):
-        if not members[i]:
-            i += 1
-            continue
-        j = i
-        while j < len(eqns) and members[j]:
-            j += 1
-        if j - i >= 2 and any(upcast(e) for e in eqns[i:j]):
-            islands[i] = j
-        i = j
-    return islands
-
-
 # --- one equation -----------------------------------------------------------
 
 
-def _traced(ctx: Ctx, eqn: Any, infos: Sequence[Info]) -> tuple[Node, list]:
-    """The equation at the dtypes it was traced with."""
-    outs = [of_dtype(v.aval.dtype, ctx.compute) for v in eqn.outvars]
-    return _node(ctx, eqn, "traced", infos, outs), [Info(c) for c in outs]
-
-
-def _node(
-    ctx: Ctx,
+def make_node(
     eqn: Any,
-    mode: str,
+    mode: Mode,
     infos: Sequence[Info],
     outs: Sequence[Cls],
     remat: bool = False,
 ) -> Node:
+    """A first-order equation's node: which operands it reads in float32
+    follows from its mode."""
     reads32 = []
     for atom, info in zip(eqn.invars, infos, strict=True):
         float_in = is_float(atom.aval.dtype) and info.cls != Cls.KEEP
-        if mode == "float32":
+        if mode is Mode.FLOAT32:
             reads32.append(float_in)
-        elif mode == "traced":
+        elif mode is Mode.TRACED:
             reads32.append(float_in and np.dtype(atom.aval.dtype) == np.float32)
         else:
             reads32.append(False)
@@ -455,142 +548,207 @@ def _node(
     )
 
 
-def _rule(ctx: Ctx, name: str) -> R.Rule | None:
-    if ("primitive", name) in ctx.overrides:
-        ctx.used.add(("primitive", name))
-    return ctx.rules.get(name)
+def traced(
+    eqn: Any, infos: Sequence[Info], compute: np.dtype
+) -> tuple[Node, list[Info]]:
+    """The equation at the dtypes it was traced with."""
+    outs = [of_dtype(v.aval.dtype, compute) for v in eqn.outvars]
+    return make_node(eqn, Mode.TRACED, infos, outs), [Info(c) for c in outs]
 
 
-def function_rule(ctx: Ctx, eqn: Any) -> R.FunctionRule | None:
-    """The function rule of a call equation, if its function has one."""
-    name = _facts(ctx, eqn).function
-    if name is None or name not in ctx.function_rules:
-        return None
-    if ("function", name) in ctx.overrides:
-        ctx.used.add(("function", name))
-    return ctx.function_rules[name]
+def function_rule(config: Config, name: str | None) -> R.FunctionRule | None:
+    """The rule of the function a call equation calls, if it has one."""
+    return None if name is None else config.function_rule(name)
 
 
-def _fold(eqn: Any, infos: Sequence[Info]) -> list[Any] | None:
-    """The equation's results computed now, if its operands are known."""
+def _fold(planning: _Planning, eqn: Any, infos: Sequence[Info]) -> Any:
+    """The equation's results computed now, if its operands are known and
+    its results small (checked before anything is computed); once per
+    plan."""
     if any(i.value is None for i in infos):
         return None
-    try:
-        with jax.ensure_compile_time_eval():
-            outs = _compat.bind_equation(eqn, [i.value for i in infos])
-        values = [np.asarray(o) for o in outs]
-    except Exception:  # folding is only an optimisation
-        return None
-    if any(v.size > _FOLD_SIZE for v in values):
-        return None
+    key = tuple(id(i.value) for i in infos)
+    hit = planning.folded.get(eqn)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    values = None
+    if all(math.prod(v.aval.shape) <= FOLD_SIZE for v in eqn.outvars):
+        try:
+            with jax.ensure_compile_time_eval():
+                outs = _compat.bind_equation(eqn, [i.value for i in infos])
+            values = [np.asarray(o) for o in outs]
+        except Exception:  # folding is only an optimisation
+            values = None
+    # The operands are kept with the key, so that their ids are not reused.
+    planning.folded[eqn] = (key, values, [i.value for i in infos])
     return values
 
 
+class KindArgs(NamedTuple):
+    """What a kind's rule decides from: the equation, its operands'
+    classes, which results are floats, and the backward facts of its
+    results."""
+
+    eqn: Any
+    record: R.Record
+    infos: list[Info]
+    floats: set[Cls]
+    float_outs: list[bool]
+    only32: list[bool]
+    demanded: list[bool]
+    unrounded: list[bool]
+    compute: np.dtype
+
+    def result(
+        self, mode: Mode, cls: Cls, remat: bool = False
+    ) -> tuple[Node, list[Info]]:
+        outs = [cls if f else Cls.KEEP for f in self.float_outs]
+        node = make_node(self.eqn, mode, self.infos, outs, remat)
+        return node, [Info(c) for c in outs]
+
+
+def _matmul(a: KindArgs) -> tuple[Node, list[Info]]:
+    eqn = a.eqn
+    if _compat.explicit_precision(eqn):
+        # precision=HIGHEST (or HIGH) asks for float32 products.
+        return traced(eqn, a.infos, a.compute)
+    wanted = eqn.params.get("preferred_element_type")
+    if wanted is not None and is_float(wanted):
+        widths = [
+            np.dtype(v.aval.dtype).itemsize
+            for v in eqn.invars
+            if is_float(v.aval.dtype)
+        ]
+        if widths and np.dtype(wanted).itemsize > max(widths):
+            # The program asked for a result wider than its operands
+            # (16-bit attention scores accumulated to float32): kept.
+            out = of_dtype(wanted, a.compute)
+            if out != Cls.F32:
+                return traced(eqn, a.infos, a.compute)
+            return a.result(Mode.COMPUTE, Cls.F32)
+    return a.result(Mode.COMPUTE, Cls.LOW)
+
+
+def _bounded(a: KindArgs) -> tuple[Node, list[Info]]:
+    # Computed in float32 from a float32 operand, and kept in float32
+    # where a float32 operation reads it.
+    if any(a.demanded):
+        return a.result(Mode.FLOAT32, Cls.F32)
+    if Cls.F32 in a.floats:
+        return a.result(Mode.FLOAT32, Cls.LOW)
+    return a.result(Mode.COMPUTE, Cls.LOW)
+
+
+def _float32(a: KindArgs) -> tuple[Node, list[Info]]:
+    remat = a.record.remat and Cls.LOW in a.floats
+    return a.result(Mode.FLOAT32, Cls.F32, remat)
+
+
+def _promote(a: KindArgs) -> tuple[Node, list[Info]]:
+    # PyTorch's promotion, and float32 where only float32 reads. Moving or
+    # selecting 16-bit values is exact: no reason to widen it (the
+    # backward facts see through it instead: see ``uses``); nor a
+    # collective, which moves 16 bits between devices where 32 would cost
+    # twice the bytes (a tensor-parallel all-reduce).
+    exact = (a.record.moves or a.record.collective) and a.floats <= {
+        Cls.LOW,
+        Cls.CONST16,
+    }
+    if Cls.F32 in a.floats or (a.float_outs and all(a.only32) and not exact):
+        # A result every use rounds anyway is rounded here, once.
+        float_unrounded = [
+            u for u, f in zip(a.unrounded, a.float_outs, strict=True) if f
+        ]
+        if Cls.LOW in a.floats and float_unrounded and not any(float_unrounded):
+            return a.result(Mode.FLOAT32, Cls.LOW)
+        return a.result(Mode.FLOAT32, Cls.F32)
+    return a.result(Mode.COMPUTE, Cls.LOW)
+
+
+KINDS: dict[R.Kind, Callable[[KindArgs], tuple[Node, list[Info]]]] = {
+    R.Kind.MATMUL: _matmul,
+    R.Kind.BOUNDED: _bounded,
+    R.Kind.FLOAT32: _float32,
+    R.Kind.PROMOTE: _promote,
+}
+"""This pass's rule for each kind of :mod:`._rules`."""
+
+
 def _forward(
-    ctx: Ctx,
+    planning: _Planning,
     eqn: Any,
     infos: list[Info],
     only32: list[bool],
     demanded: list[bool],
-    rounded: list[bool],
+    unrounded: list[bool],
 ) -> tuple[Node, list[Info]]:
-    name = eqn.primitive.name
-    facts = _facts(ctx, eqn)
-    if facts.scoped:
-        return _traced(ctx, eqn, infos)
-    handler = _higher.HANDLERS.get(name)
-    if handler is not None or facts.function is not None:
-        if function_rule(ctx, eqn) in ("float32", "original"):
-            return _traced(ctx, eqn, infos)
-        if handler is None:
-            return _traced(ctx, eqn, infos)  # custom_vjp: run whole
-        node = handler.infer(ctx, eqn, infos, only32, demanded)
+    config = planning.config
+    compute = config.compute
+    ef = planning.facts.of[eqn]
+    if ef.scoped or eqn in planning.as_traced:
+        return traced(eqn, infos, compute)
+    higher = HIGHER.get(eqn.primitive)
+    if higher is not None or ef.function is not None:
+        rule = function_rule(config, ef.function)
+        if ef.function is not None and (
+            ("function", ef.function) in config.overrides
+        ):
+            planning.used.add(("function", ef.function))
+        if rule in ("float32", "original") or higher is None:
+            return traced(eqn, infos, compute)  # custom_vjp: run whole
+        node = higher.infer(config, eqn, infos, only32, demanded)
         return node, [Info(c) for c in node.outs]
     if any(
         i.cls == Cls.KEEP and is_float(a.aval.dtype)
         for i, a in zip(infos, eqn.invars, strict=True)
     ):
-        return _traced(ctx, eqn, infos)
-    if name == "convert_element_type":
-        return _convert(ctx, eqn, infos)
-    rule = _rule(ctx, name)
+        return traced(eqn, infos, compute)
+    if eqn.primitive is _CONVERT:
+        return _convert(eqn, infos, compute)
+    record, override = config.record(eqn.primitive)
+    if override is not None:
+        planning.used.add(("primitive", override))
+    if record is None:
+        return traced(eqn, infos, compute)
     floats = {
         i.cls
         for i, a in zip(infos, eqn.invars, strict=True)
         if is_float(a.aval.dtype)
     }
-    float_outs = [is_float(v.aval.dtype) for v in eqn.outvars]
-
-    def result(mode: str, cls: Cls, remat: bool = False) -> tuple[Node, list]:
-        outs = [cls if f else Cls.KEEP for f in float_outs]
-        return _node(ctx, eqn, mode, infos, outs, remat), [
-            Info(c) for c in outs
-        ]
-
-    if rule is None or rule == "original":
-        return _traced(ctx, eqn, infos)
-    if not floats <= {Cls.CONST}:
-        pass
-    elif (values := _constant(eqn, rule, infos)) is not None:
-        outs = [
-            of_value(v, a.aval.dtype, ctx.compute)
-            for v, a in zip(values, eqn.outvars, strict=True)
-        ]
-        return _node(ctx, eqn, "traced", infos, outs), [
-            Info(c, v) for c, v in zip(outs, values, strict=True)
-        ]
-    elif floats and name in R.RANGE_PRESERVING:
-        return result("traced", Cls.CONST)
-    else:
-        return _traced(ctx, eqn, infos)
-
-    if rule == "compute":
-        if name in R.MATMULS:
-            if _compat.explicit_precision(eqn):
-                # precision=HIGHEST (or HIGH) asks for float32 products.
-                return _traced(ctx, eqn, infos)
-            return result("compute", Cls.LOW)
-        # A bounded function: computed in float32 from a float32 operand,
-        # and kept in float32 where a float32 operation reads it.
-        if any(demanded):
-            return result("float32", Cls.F32)
-        if Cls.F32 in floats:
-            return result("float32", Cls.LOW)
-        return result("compute", Cls.LOW)
-    if rule == "float32":
-        remat = name in R.REMATERIALIZED and Cls.LOW in floats
-        return result("float32", Cls.F32, remat)
-    # "promote": PyTorch's promotion, and float32 where only float32 reads.
-    if ROUND_MIXED and Cls.LOW in floats:
-        return result("float32", Cls.LOW)
-    # Moving or selecting 16-bit values is exact: no reason to widen it
-    # (the backward pass inference sees through it instead: see ``uses``);
-    # nor a collective, which moves 16 bits between devices where 32
-    # would cost twice the bytes (a tensor-parallel all-reduce).
-    exact = (
-        name in R.RANGE_PRESERVING or name in R.COLLECTIVES
-    ) and floats <= {Cls.LOW, Cls.CONST}
-    if Cls.F32 in floats or (float_outs and all(only32) and not exact):
-        # A result every use rounds anyway (a bias add before a relu and
-        # the next matmul) is rounded here, once: the same values, and
-        # 16 bits for the backward pass to keep.
-        float_rounded = [
-            r for r, f in zip(rounded, float_outs, strict=True) if f
-        ]
-        if Cls.LOW in floats and float_rounded and all(float_rounded):
-            return result("float32", Cls.LOW)
-        return result("float32", Cls.F32)
-    return result("compute", Cls.LOW)
-
-
-def _constant(eqn: Any, rule: str, infos: Sequence[Info]) -> list | None:
-    if eqn.primitive.name not in R.FOLDABLE:
-        return None
-    return _fold(eqn, infos)
+    if floats <= {Cls.CONST16}:
+        values = _fold(planning, eqn, infos) if record.foldable else None
+        if values is not None:
+            outs = [
+                of_value(v, a.aval.dtype, compute)
+                for v, a in zip(values, eqn.outvars, strict=True)
+            ]
+            node = make_node(eqn, Mode.TRACED, infos, outs)
+            return node, [Info(c, v) for c, v in zip(outs, values, strict=True)]
+        if floats and ef.moves:
+            outs = [
+                Cls.CONST16 if is_float(v.aval.dtype) else Cls.KEEP
+                for v in eqn.outvars
+            ]
+            return make_node(eqn, Mode.TRACED, infos, outs), [
+                Info(c) for c in outs
+            ]
+        return traced(eqn, infos, compute)
+    args = KindArgs(
+        eqn,
+        record,
+        infos,
+        floats,
+        [is_float(v.aval.dtype) for v in eqn.outvars],
+        only32,
+        demanded,
+        unrounded,
+        compute,
+    )
+    return KINDS[record.kind](args)
 
 
 def _convert(
-    ctx: Ctx, eqn: Any, infos: Sequence[Info]
+    eqn: Any, infos: Sequence[Info], compute: np.dtype
 ) -> tuple[Node, list[Info]]:
     """An explicit cast the traced program shows: kept."""
     (info,) = infos
@@ -600,11 +758,15 @@ def _convert(
         value = np.asarray(info.value).astype(new)
     if not is_float(new):
         out = Cls.KEEP
-    elif new == ctx.compute:
+    elif new == compute:
         out = Cls.LOW
     elif new == np.float32:
-        out = Cls.CONST if info.cls == Cls.CONST else Cls.F32
+        if info.cls == Cls.CONST16:
+            out = Cls.CONST16
+        else:
+            source = eqn.invars[0].aval.dtype
+            out = of_conversion(source, new, compute) or Cls.F32
     else:
         out = Cls.KEEP
-    node = Node("convert", (info.cls,), (out,), (False,))
+    node = Node(Mode.CONVERT, (info.cls,), (out,), (False,))
     return node, [Info(out, value)]

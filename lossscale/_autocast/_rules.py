@@ -1,34 +1,46 @@
-"""Autocast's rules, as data: which dtype each primitive or function runs in.
+"""Autocast's rules, as data: one record per primitive, and the functions
+that run whole.
 
-**Adding a rule for a new primitive is one line here**: its name in one of
-the tuples below. Higher-order primitives (whose params hold jaxprs) are
-not rules but handlers, registered in one table in
-:mod:`lossscale._autocast._higher`.
+**Adding a rule for a new primitive is one line in** :data:`_SPEC` below:
+its name, its kind, and its facts. The names are resolved once, at import,
+to the ``Primitive`` objects JAX binds (:func:`lossscale._compat.
+primitives_named`), and the two passes look records up by primitive
+(:data:`TABLE`). A name no installed JAX has is skipped. Higher-order
+primitives (whose params hold jaxprs) are not rules but handlers,
+registered into each pass's own table by :mod:`._higher`.
 
-Primitive rules (:data:`PRIMITIVE_RULES`, public as
-:data:`lossscale.AUTOCAST_RULES`), from a primitive's name as
-``jax.make_jaxpr`` prints it to one of:
+The kinds (:class:`Kind`), and the public rule each one is
+(:data:`PRIMITIVE_RULES`, public as :data:`lossscale.AUTOCAST_RULES`):
 
-- ``"compute"``: float operands are cast to the compute dtype. For the
-  matmuls and convolutions (:data:`MATMULS`) always, and their result is
-  in the compute dtype, as in every AMP. For the bounded functions (tanh,
-  logistic, erf, sin, cos: their result lies in [-1, 1] whatever the
-  input) the function is computed in float32 when its operand is float32,
-  and its result is rounded to the compute dtype only where no float32
+- ``MATMUL`` (``"compute"``): float operands in the compute dtype, and the
+  result too, as in every AMP, unless the program asked for a wider
+  result (``preferred_element_type=float32`` over 16-bit operands) or for
+  ``precision=HIGHEST``.
+- ``BOUNDED`` (``"compute"``): tanh, logistic, erf, sin, cos: their result
+  lies in [-1, 1] whatever the operand, so it is computed in float32 from
+  a float32 operand and rounded to the compute dtype only where no float32
   operation reads it (``log(sigmoid(z))`` keeps the sigmoid in float32).
-- ``"float32"``: float operands are cast to float32 and the result stays
+- ``FLOAT32`` (``"float32"``): float operands cast to float32, the result
   float32: what overflows or loses its precision in 16 bits (exponentials
   and logarithms, powers, reciprocal square roots, sums and products),
   PyTorch's CUDA float32 list mapped to JAX.
-- ``"promote"``: arithmetic and data movement, PyTorch's type promotion:
-  the result is float32 where a float operand is float32 (a parameter, an
-  input, a statistic, a constant that the compute dtype cannot hold), else
-  the compute dtype where an operand is in it; a constant whose value the
-  compute dtype holds (``0.5``, a mask fill of ``-1e4``) takes its
-  partner's dtype.
-- ``"original"``: the equation runs at the dtypes it was traced with.
-  Every primitive that is not listed gets this rule, which is always
-  correct (callbacks, custom calls, sorting, scatters, ...).
+- ``PROMOTE`` (``"promote"``): arithmetic and data movement, PyTorch's
+  type promotion: float32 where a float operand is float32 (a parameter,
+  an input, a statistic, a constant the compute dtype cannot hold), else
+  the compute dtype; a constant the compute dtype holds (``0.5``, a mask
+  fill of ``-1e4``) takes its partner's dtype.
+- A primitive with no record runs at the dtypes it was traced with
+  (``"original"``), which is always correct (callbacks, custom calls,
+  sorting, scatters, ...).
+
+The facts of a record (:class:`Record`): ``moves`` (it moves, selects or
+negates values: exact, so it commutes with rounding, and a constant keeps
+its range through it), ``pooling`` (max or min pooling, whose backward
+pass keeps its operand), ``collective``, ``remat`` (its derivative is
+recomputed from its 16-bit operand, not stored in float32),
+``foldable`` (autocast may compute it at trace time on small constants)
+and ``island`` (it may be recomputed inside a float32 island:
+:mod:`._islands`).
 
 Function rules (:data:`FUNCTION_RULES`, public as
 :data:`lossscale.AUTOCAST_FUNCTION_RULES`), from the name of a
@@ -40,8 +52,13 @@ rules, which is what every function without an entry gets).
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import types
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from lossscale import _compat
 
 Rule = Literal["compute", "float32", "promote", "original"]
 FunctionRule = Literal["float32", "original", "autocast"]
@@ -52,208 +69,234 @@ FUNCTION_RULES_ACCEPTED: tuple[FunctionRule, ...] = (
     "autocast",
 )
 
-# Matmuls and convolutions: their operands and result in the compute dtype.
-MATMULS = frozenset(
-    {"dot_general", "conv_general_dilated", "ragged_dot_general"}
-)
 
-# Bounded results: rounding them to 16 bits cannot overflow, and it halves
-# what the backward pass keeps of them (GELU's tanh).
-_BOUNDED = ("tanh", "logistic", "erf", "erfc", "sin", "cos")
+class Kind(enum.Enum):
+    """What a primitive does to precision (see the module docstring)."""
 
-_FLOAT32 = (
-    # Exponentials, logarithms and powers: PyTorch's exp, expm1, log, log2,
-    # log10, log1p, pow, rsqrt, reciprocal, softplus.
-    "exp",
-    "exp2",
-    "expm1",
-    "log",
-    "log1p",
-    "pow",
-    "integer_pow",
-    "square",
-    "rsqrt",
+    MATMUL = "compute"
+    BOUNDED = "bounded"
+    FLOAT32 = "float32"
+    PROMOTE = "promote"
+
+    @property
+    def rule(self) -> Rule:
+        """The public rule of this kind."""
+        return "compute" if self is Kind.BOUNDED else self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One primitive's rule: its kind and its facts."""
+
+    kind: Kind
+    moves: bool = False
+    pooling: bool = False
+    collective: bool = False
+    remat: bool = False
+    foldable: bool = True
+    island: bool = True
+
+
+M, B, F, P = Kind.MATMUL, Kind.BOUNDED, Kind.FLOAT32, Kind.PROMOTE
+_MOVE = {"moves": True}
+_COLLECTIVE = {"collective": True, "foldable": False}
+
+# One line a primitive: (name, kind, facts). Names as jax.make_jaxpr
+# prints them; the ones only some supported JAX versions have are
+# skipped where absent (tests/test_autocast_primitives.py lists them).
+_SPEC: tuple[tuple[str, Kind, dict[str, bool]], ...] = (
+    # Matmuls and convolutions.
+    ("dot_general", M, {"foldable": False}),
+    ("conv_general_dilated", M, {"foldable": False}),
+    ("ragged_dot_general", M, {"foldable": False}),
+    # Bounded results: rounding them cannot overflow, and it halves what
+    # the backward pass keeps of them (GELU's tanh).
+    ("tanh", B, {}),
+    ("logistic", B, {}),
+    ("erf", B, {}),
+    ("erfc", B, {}),
+    ("sin", B, {}),
+    ("cos", B, {}),
+    # Exponentials, logarithms and powers: PyTorch's exp, expm1, log,
+    # log2, log10, log1p, pow, rsqrt, reciprocal, softplus. The powers and
+    # exp are recomputed from their 16-bit operand in the backward pass.
+    ("exp", F, {"remat": True}),
+    ("exp2", F, {}),
+    ("expm1", F, {}),
+    ("log", F, {}),
+    ("log1p", F, {}),
+    ("pow", F, {"remat": True}),
+    ("integer_pow", F, {"remat": True}),
+    ("square", F, {"remat": True}),
+    ("rsqrt", F, {}),
     # PyTorch's acos, asin, cosh, sinh, tan, erfinv.
-    "acos",
-    "asin",
-    "cosh",
-    "sinh",
-    "tan",
-    "erf_inv",
-    "lgamma",
-    "digamma",
-    "igamma",
-    "igammac",
-    "polygamma",
-    "bessel_i0e",
-    "bessel_i1e",
+    ("acos", F, {}),
+    ("asin", F, {}),
+    ("cosh", F, {}),
+    ("sinh", F, {}),
+    ("tan", F, {}),
+    ("erf_inv", F, {}),
+    ("lgamma", F, {}),
+    ("digamma", F, {}),
+    ("igamma", F, {}),
+    ("igammac", F, {}),
+    ("polygamma", F, {}),
+    ("bessel_i0e", F, {}),
+    ("bessel_i1e", F, {}),
     # Sums and products: PyTorch's sum, prod, cumsum, cumprod (and so the
     # means, variances and norms built on them), and sum pooling.
-    "reduce_sum",
-    "reduce_prod",
-    "cumsum",
-    "cumprod",
-    "cumlogsumexp",
-    "reduce_window_sum",
+    ("reduce_sum", F, {}),
+    ("reduce_prod", F, {}),
+    ("cumsum", F, {}),
+    ("cumprod", F, {}),
+    ("cumlogsumexp", F, {}),
+    ("reduce_window_sum", F, {}),
+    # Elementwise arithmetic and comparisons.
+    ("add", P, {}),
+    ("add_any", P, {}),
+    ("sub", P, {}),
+    ("mul", P, {}),
+    ("div", P, {}),
+    ("rem", P, {}),
+    ("sign", P, {}),
+    ("floor", P, {}),
+    ("ceil", P, {}),
+    ("round", P, {}),
+    ("sqrt", P, {}),
+    ("cbrt", P, {}),
+    ("atan2", P, {}),
+    ("atan", P, {}),
+    ("nextafter", P, {}),
+    ("is_finite", P, {}),
+    ("eq", P, {}),
+    ("ne", P, {}),
+    ("lt", P, {}),
+    ("le", P, {}),
+    ("gt", P, {}),
+    ("ge", P, {}),
+    ("real", P, {}),
+    ("imag", P, {}),
+    ("conj", P, {}),
+    # checkpoint_name's label: what a checkpoint policy saves by name, so
+    # never recomputed inside a float32 island.
+    ("name", P, {"foldable": False, "island": False}),
+    ("argmax", P, {}),
+    ("argmin", P, {}),
+    # Max and min pooling's derivatives.
+    ("select_and_gather_add", P, {"foldable": False}),
+    ("select_and_scatter_add", P, {"foldable": False}),
+    # Data movement and selection: exact, and a constant that fits the
+    # compute dtype still fits after it.
+    ("reshape", P, _MOVE),
+    ("broadcast_in_dim", P, _MOVE),
+    ("transpose", P, _MOVE),
+    ("squeeze", P, _MOVE),
+    ("slice", P, _MOVE),
+    ("dynamic_slice", P, _MOVE),
+    ("dynamic_update_slice", P, _MOVE),
+    ("gather", P, _MOVE),
+    ("concatenate", P, _MOVE),
+    ("pad", P, _MOVE),
+    ("rev", P, _MOVE),
+    ("split", P, _MOVE),
+    ("select_n", P, _MOVE),
+    ("reduce_max", P, _MOVE),
+    ("reduce_min", P, _MOVE),
+    ("max", P, _MOVE),
+    ("min", P, _MOVE),
+    ("clamp", P, _MOVE),
+    ("neg", P, _MOVE),
+    ("abs", P, _MOVE),
+    ("copy", P, _MOVE),
+    ("stop_gradient", P, _MOVE),
+    ("sharding_constraint", P, {**_MOVE, "foldable": False}),
+    ("mesh_cast", P, {**_MOVE, "foldable": False}),
+    ("reshard", P, {**_MOVE, "foldable": False}),
+    # Max and min pooling keep their operand's dtype, even where only
+    # float32 reads their result: their backward pass
+    # (select_and_scatter_add) keeps the operand, which would be float32
+    # (a conv stack's feature maps).
+    ("cummax", P, {**_MOVE, "pooling": True}),
+    ("cummin", P, {**_MOVE, "pooling": True}),
+    ("reduce_window_max", P, {**_MOVE, "pooling": True}),
+    ("reduce_window_min", P, {**_MOVE, "pooling": True}),
+    # Collectives move (or add) values between devices, at the dtype the
+    # activation has, as Megatron-LM's tensor-parallel all-reduce does.
+    ("psum", P, _COLLECTIVE),
+    ("psum_invariant", P, _COLLECTIVE),
+    ("pvary", P, _COLLECTIVE),
+    ("all_gather", P, _COLLECTIVE),
+    ("all_gather_invariant", P, _COLLECTIVE),
+    ("ppermute", P, _COLLECTIVE),
+    ("all_to_all", P, _COLLECTIVE),
+    ("ragged_all_to_all", P, _COLLECTIVE),
+    ("reduce_scatter", P, _COLLECTIVE),
+    ("pmax", P, _COLLECTIVE),
+    ("pmin", P, _COLLECTIVE),
 )
 
-# Data movement and selection: the result holds operand values (or their
-# negation), so a constant that fits the compute dtype still fits after it.
-RANGE_PRESERVING = frozenset(
-    {
-        "reshape",
-        "broadcast_in_dim",
-        "transpose",
-        "squeeze",
-        "slice",
-        "dynamic_slice",
-        "dynamic_update_slice",
-        "gather",
-        "concatenate",
-        "pad",
-        "rev",
-        "split",
-        "select_n",
-        "reduce_max",
-        "reduce_min",
-        "max",
-        "min",
-        "clamp",
-        "neg",
-        "abs",
-        "copy",
-        "stop_gradient",
-        "sharding_constraint",
-        "mesh_cast",
-        "reshard",
-        "convert_element_type",
-        "cummax",
-        "cummin",
-        "reduce_window_max",
-        "reduce_window_min",
-    }
-)
-
-# Max and min pooling keep their operand's dtype, even where only float32
-# reads their result: their backward pass (select_and_scatter_add) keeps
-# the operand, which would be float32 (a conv stack's feature maps).
-POOLING = frozenset(
-    {"reduce_window_max", "reduce_window_min", "cummax", "cummin"}
-)
-
-# Collectives move (or add) values between devices: at the dtype the
-# activation has, as Megatron-LM's tensor-parallel all-reduce does.
-COLLECTIVES = (
-    "psum",
-    "psum_invariant",
-    "pvary",
-    "all_gather",
-    "all_gather_invariant",
-    "ppermute",
-    "all_to_all",
-    "ragged_all_to_all",
-    "reduce_scatter",
-    "pmax",
-    "pmin",
-)
-
-_PROMOTE = (
-    # Elementwise arithmetic.
-    "add",
-    "add_any",
-    "sub",
-    "mul",
-    "div",
-    "rem",
-    "neg",
-    "abs",
-    "sign",
-    "floor",
-    "ceil",
-    "round",
-    "sqrt",
-    "cbrt",
-    "atan2",
-    "atan",
-    "nextafter",
-    "is_finite",
-    "eq",
-    "ne",
-    "lt",
-    "le",
-    "gt",
-    "ge",
-    "real",
-    "imag",
-    "conj",
-    "name",
-    # Reductions that pick a value, and max/min pooling and its derivative.
-    "argmax",
-    "argmin",
-    "select_and_gather_add",
-    "select_and_scatter_add",
-    *COLLECTIVES,
-    *sorted(RANGE_PRESERVING - {"convert_element_type"}),
-)
-
-# Names in the tables that only some supported JAX versions have (the
+# The names of the spec that only some supported JAX versions have (the
 # tests check that every other name is a primitive of the installed JAX,
 # so that a rename is caught, not silently left "original").
 ONLY_IN_SOME_VERSIONS = frozenset({"mesh_cast"})
+
+
+def _records() -> dict[str, Record]:
+    return {name: Record(kind, **facts) for name, kind, facts in _SPEC}
+
+
+RECORDS: types.MappingProxyType[str, Record] = types.MappingProxyType(
+    _records()
+)
+"""Every record of the spec, by name (including names this JAX lacks)."""
+
+TABLE: types.MappingProxyType[Any, Record] = types.MappingProxyType(
+    {
+        primitive: RECORDS[name]
+        for name, primitive in _compat.primitives_named(RECORDS).items()
+    }
+)
+"""The records of the installed JAX's primitives, by ``Primitive``."""
+
+PRIMITIVE_RULES: types.MappingProxyType[str, Rule] = types.MappingProxyType(
+    {name: record.kind.rule for name, record in RECORDS.items()}
+)
 
 # Functions that run whole at the dtypes they were traced with: PyTorch's
 # log_softmax, softmax and logsumexp (run as a unit, so that the
 # subtraction of the maximum happens in float32 too), and jax.nn's
 # standardize.
-_FUNCTIONS_FLOAT32 = (
-    "log_softmax",
-    "softmax",
-    "_softmax",
-    "logsumexp",
-    "standardize",
-)
-
-
-def _table() -> dict[str, Rule]:
-    table: dict[str, Rule] = {}
-    lists: tuple[tuple[tuple[str, ...], Rule], ...] = (
-        (tuple(sorted(MATMULS)), "compute"),
-        (_BOUNDED, "compute"),
-        (_FLOAT32, "float32"),
-        (_PROMOTE, "promote"),
-    )
-    for names, rule in lists:
-        for name in names:
-            table[name] = rule
-    return table
-
-
-PRIMITIVE_RULES: types.MappingProxyType[str, Rule] = types.MappingProxyType(
-    _table()
-)
 FUNCTION_RULES: types.MappingProxyType[str, FunctionRule] = (
-    types.MappingProxyType(dict.fromkeys(_FUNCTIONS_FLOAT32, "float32"))
+    types.MappingProxyType(
+        dict.fromkeys(
+            ("log_softmax", "softmax", "_softmax", "logsumexp", "standardize"),
+            "float32",
+        )
+    )
 )
 
-# "float32" entries whose derivative is recomputed from their compute-dtype
-# operand rather than stored in float32 (elementwise and cheap).
-REMATERIALIZED = frozenset({"integer_pow", "square", "pow", "exp"})
+# What a user's rule makes of a primitive: the kind that rule stands for
+# (a "compute" rule on a primitive that is not a matmul: the bounded
+# kind, computed in the compute dtype from a 16-bit operand).
+_KIND_OF_RULE: Mapping[str, Kind] = {
+    "float32": Kind.FLOAT32,
+    "promote": Kind.PROMOTE,
+}
 
-# Primitives whose value autocast may compute at trace time when every
-# operand is a small constant (to know whether the result fits).
-FOLDABLE = (
-    frozenset(
-        name
-        for name, rule in _table().items()
-        if rule in ("float32", "promote") and name not in MATMULS
-    )
-    - set(COLLECTIVES)
-    - {
-        "name",
-        "sharding_constraint",
-        "mesh_cast",
-        "reshard",
-        "select_and_gather_add",
-        "select_and_scatter_add",
-    }
-) | set(_BOUNDED)
+
+def overridden(record: Record | None, rule: Rule) -> Record | None:
+    """``record`` with its kind replaced by a user's ``rule`` (``None``:
+    the primitive runs at its traced dtypes)."""
+    if rule == "original":
+        return None
+    if rule == "compute":
+        kind = (
+            Kind.MATMUL
+            if record is not None and record.kind is Kind.MATMUL
+            else Kind.BOUNDED
+        )
+    else:
+        kind = _KIND_OF_RULE[rule]
+    if record is None:
+        return Record(kind, foldable=False)
+    return dataclasses.replace(record, kind=kind)

@@ -1,0 +1,166 @@
+"""Float32 islands: runs of elementwise equations recomputed, not stored.
+
+Where a 16-bit activation is read in float32 by a run of consecutive
+elementwise equations (a bias add and the GELU after it, a norm's output,
+a bias, relu and max pooling), the backward pass would keep the float32
+values the run computes. :func:`find` picks such runs from a plan, and
+:func:`emit` binds each under ``jax.checkpoint``: the backward pass keeps
+the 16-bit activation the run starts from, and recomputes the rest, which
+is cheap. An island is traced once per structure and operand types, so
+the same island in every layer of a model is one jaxpr, whose derivative
+JAX caches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from lossscale import _compat
+from lossscale._autocast._cast import cast_cache
+from lossscale._autocast._classes import Cls
+
+# The name of the checkpoints autocast adds around float32 islands, as
+# profiles (and tests telling them from the program's own) see them.
+SCOPE = "lossscale_island"
+
+
+def find(
+    eqns: Sequence[Any],
+    upcasts: Sequence[bool],
+    members: Sequence[bool],
+) -> dict[int, int]:
+    """The islands of a jaxpr, from the index of the first equation to the
+    index after the last: runs of at least two ``members`` (equations
+    that may be recomputed) of which one ``upcasts`` (reads a 16-bit
+    activation in float32)."""
+    islands = {}
+    i = 0
+    while i < len(eqns):
+        if not members[i]:
+            i += 1
+            continue
+        j = i
+        while j < len(eqns) and members[j]:
+            j += 1
+        if j - i >= 2 and any(upcasts[i:j]):
+            islands[i] = j
+        i = j
+    return islands
+
+
+Equation = Callable[[Any, Any, list[Any]], list[Any]]
+
+
+def emit(
+    cache: dict[Any, Any],
+    nodes: Any,
+    run: Sequence[Any],
+    read: Callable[[Any], Any],
+    equation: Equation,
+) -> list[Any]:
+    """Binds the island ``run`` under a checkpoint; returns the values of
+    every output of its equations, in order.
+
+    Args:
+        cache: the islands traced in this evaluation, by structure.
+        nodes: the plan's nodes, by equation.
+        run: the island's equations.
+        read: the value of an atom outside the island.
+        equation: ``equation(eqn, node, invals)`` binds one equation.
+    """
+    defined = {v for eqn in run for v in eqn.outvars}
+    inputs: list[Any] = []
+    for eqn in run:
+        for atom in eqn.invars:
+            if (
+                _compat.is_var(atom)
+                and atom not in defined
+                and atom not in inputs
+            ):
+                inputs.append(atom)
+    values = [read(a) for a in inputs]
+    traced = [i for i, x in enumerate(values) if _compat.is_tracer(x)]
+
+    def body(*xs: Any) -> list[Any]:
+        env = dict(zip(inputs, values, strict=True))
+        for i, x in zip(traced, xs, strict=True):
+            env[inputs[i]] = x
+        outs = []
+        with cast_cache():
+            for eqn in run:
+                invals = [
+                    _compat.literal_value(a)
+                    if _compat.is_literal(a)
+                    else env[a]
+                    for a in eqn.invars
+                ]
+                node = nodes[eqn]._replace(remat=False)
+                results = equation(eqn, node, invals)
+                env.update(zip(eqn.outvars, results, strict=True))
+                outs.extend(results)
+        return outs
+
+    args = [values[i] for i in traced]
+    with jax.named_scope(SCOPE), _compat.equation_context(run[0]):
+        key = _key(nodes, run, inputs, values, traced)
+        if key is not None:
+            hit = cache.get(key)
+            if hit is None:
+                closed = jax.make_jaxpr(body)(*args)
+                hit = cache[key] = None if closed.consts else closed.jaxpr
+            if hit is not None:
+                return _compat.bind_remat(hit, args)
+        return list(_compat.checkpoint(body, prevent_cse=False)(*args))
+
+
+def _key(
+    nodes: Any,
+    run: Sequence[Any],
+    inputs: Sequence[Any],
+    values: Sequence[Any],
+    traced: Sequence[int],
+) -> Any:
+    """What an island computes, from its structure and its operands'
+    types (``None``: not hashable, or with concrete operands)."""
+    if len(traced) != len(values):
+        return None
+    position: dict[Any, tuple[Any, ...]] = {
+        v: ("in", k) for k, v in enumerate(inputs)
+    }
+    parts: list[Any] = []
+    for n, eqn in enumerate(run):
+        refs = []
+        for atom in eqn.invars:
+            if _compat.is_literal(atom):
+                value = np.asarray(_compat.literal_value(atom))
+                refs.append(("lit", str(value.dtype), value.tobytes()))
+            else:
+                refs.append(position[atom])
+        for m, var in enumerate(eqn.outvars):
+            position[var] = ("out", n, m)
+        node = nodes[eqn]
+        parts.append(
+            (
+                eqn.primitive,
+                tuple(sorted(eqn.params.items())),
+                tuple(refs),
+                node.mode,
+                node.ins,
+                node.outs,
+            )
+        )
+    key = ("island", tuple(parts), tuple(jax.typeof(x) for x in values))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def upcasts(mode_float32: bool, ins: Sequence[Cls]) -> bool:
+    """Whether an equation reads a 16-bit activation in float32."""
+    return mode_float32 and Cls.LOW in ins

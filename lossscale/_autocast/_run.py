@@ -1,0 +1,181 @@
+"""One call of an autocast function, under the caller's trace.
+
+:func:`call` traces the function at the dtypes of its arguments, plans
+the jaxpr (:mod:`._infer`), evaluates it by that plan (:mod:`._emit`),
+casts the outputs to the dtypes the function gives them without autocast
+(or to ``output_dtype``), and writes back the flax NNX state the function
+updated in place.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lossscale import _compat, _interop
+from lossscale._autocast import _emit, _higher, _infer
+from lossscale._autocast._cast import cast as cast_to
+from lossscale._autocast._cast import dtype_of, store
+from lossscale._autocast._classes import F32_DTYPE, Cls, is_float
+from lossscale._autocast._config import Call, Config
+
+
+class Result(NamedTuple):
+    value: Any
+    used: frozenset[tuple[str, str]]  # the overrides that applied
+    functions: frozenset[str]  # the functions the program called
+
+
+def is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic) or (
+        _compat.is_tracer(x)
+    )
+
+
+def input_class(x: Any, compute: np.dtype) -> Cls:
+    dtype = dtype_of(x)
+    if isinstance(x, np.ndarray | np.generic):
+        # JAX reads a NumPy array in its own dtype for it: a float64 batch
+        # (what data loaders give) is float32 unless x64 is enabled.
+        dtype = cast(Any, jax.typeof(x)).dtype
+    if not is_float(dtype) or np.dtype(dtype).itemsize > 4:
+        return Cls.KEEP
+    if np.dtype(dtype) == F32_DTYPE:
+        return Cls.F32
+    if np.dtype(dtype) == compute:
+        return Cls.LOW
+    return Cls.KEEP
+
+
+def call(
+    config: Config,
+    out_dtype: np.dtype | None,
+    fun: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Result:
+    """``fun(*args, **kwargs)`` under autocast."""
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    dynamic = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
+    # State that fun updates in place (flax NNX's Variables: BatchNorm's
+    # statistics, an RNG's counter) is updated in the copies fun is traced
+    # with: it comes out of the trace as extra outputs and is written back.
+    holders = jax.tree.leaves((args, kwargs), is_leaf=_interop.is_variable)
+    mutable = [
+        j
+        for j, i in enumerate(dynamic)
+        if len(holders) == len(leaves) and _interop.is_variable(holders[i])
+    ]
+    record: dict[str, Any] = {}
+
+    def flat(*arrays: Any) -> Any:
+        full = list(leaves)
+        for i, array in zip(dynamic, arrays, strict=True):
+            full[i] = array
+        a, k = jax.tree.unflatten(treedef, full)
+        out = fun(*a, **k)
+        after = jax.tree.leaves((a, k))
+        changed = [
+            j
+            for j in mutable
+            if len(after) == len(leaves) and after[dynamic[j]] is not arrays[j]
+        ]
+        record["changed"] = changed
+        return out, [after[dynamic[j]] for j in changed]
+
+    arrays = [leaves[i] for i in dynamic]
+    try:
+        closed, (out_shape, _) = jax.make_jaxpr(flat, return_shape=True)(
+            *arrays
+        )
+    except Exception as err:
+        if _interop.is_trace_context_error(err):
+            raise _closed_over_state(fun) from err
+        raise
+    jaxpr = closed.jaxpr
+    # Outputs read in float32 (their traced dtype, or output_dtype) let
+    # the last elementwise operations before them run in float32 too.
+    wide = out_dtype is None or out_dtype.itemsize >= 4
+    n = len(jaxpr.outvars)
+    plan = _infer.infer(
+        config,
+        jaxpr,
+        _higher.const_infos(config, closed.consts),
+        [input_class(x, config.compute) for x in arrays],
+        [wide] * n,
+        [wide] * n,
+    )
+    outs = _emit.emit(
+        Call(config),
+        jaxpr,
+        plan,
+        store(closed.consts, plan.consts, config.compute),
+        arrays,
+    )
+    n_out = len(jax.tree.leaves(out_shape))
+    results = []
+    for x, atom in zip(outs[:n_out], jaxpr.outvars, strict=False):
+        # Through dtype_of: jax 0.12 types an outvar's aval as the
+        # abstract base class, which has no dtype attribute.
+        dtype = dtype_of(atom.aval)
+        if out_dtype is not None and is_float(dtype):
+            dtype = out_dtype
+        if not isinstance(x, jax.Array):
+            # A constant output is a literal of the jaxpr (jax's own int
+            # and float subclasses): an array, as jax.jit returns it.
+            x = jnp.asarray(x)
+        results.append(cast_to(x, dtype))
+    for j, x in zip(record["changed"], outs[n_out:], strict=True):
+        _interop.set_variable(
+            holders[dynamic[j]], cast_to(x, dtype_of(arrays[j]))
+        )
+    value = jax.tree.unflatten(jax.tree.structure(out_shape), results)
+    return Result(value, plan.used, plan.functions)
+
+
+def _closed_over_state(fun: Callable[..., Any]) -> Exception:
+    name = getattr(fun, "__name__", repr(fun))
+    return ValueError(
+        f"lossscale.autocast({name}): the function updates flax NNX state "
+        "(BatchNorm's statistics, Dropout's RNG counter) that it closes "
+        "over, and flax refuses an update from inside autocast's trace "
+        "(its TraceContextError is chained below). Pass the model as an "
+        "argument instead, and autocast writes its updated state back: "
+        "lossscale.autocast(loss_fn)(model, x, y), or "
+        "nnx.value_and_grad(lossscale.autocast(loss_fn))(model, x, y)."
+    )
+
+
+def warn_unused(
+    config: Config,
+    used: frozenset[tuple[str, str]],
+    functions: frozenset[str],
+    warned: set[tuple[str, str]],
+) -> None:
+    """Warns, once each, of the overrides no equation matched; refuses a
+    function's name given as a primitive's."""
+    for kind, name in sorted(config.overrides - used - warned):
+        if kind == "primitive" and name in functions:
+            raise ValueError(
+                f"rules[{name!r}]: {name!r} is a function of the traced "
+                "program, not a primitive: give its rule in "
+                f"function_rules={{{name!r}: ...}} ('float32' or "
+                "'autocast'; a function cannot be bound at other dtypes "
+                "than its own, so 'compute' and 'promote' are primitives' "
+                "rules only)."
+            )
+        warned.add((kind, name))
+        where = "rules" if kind == "primitive" else "function_rules"
+        warnings.warn(
+            f"lossscale.autocast: {where}[{name!r}] matches no "
+            f"{'primitive' if kind == 'primitive' else 'function'} of the "
+            "traced program (a typo, or a function that is not jax.jit-ed, "
+            "custom_jvp or custom_vjp?).",
+            UserWarning,
+            stacklevel=4,
+        )
