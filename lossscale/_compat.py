@@ -624,3 +624,79 @@ def set_mesh(mesh: Any) -> Iterator[None]:
     setter = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh  # pyright: ignore[reportAttributeAccessIssue]
     with setter(mesh):
         yield
+
+
+# --- float8 matmuls (lossscale/_autocast/_fp8.py) ---------------------------
+#
+# Self-contained: nothing above uses it. lax.dot_general takes out_sharding
+# on every supported JAX (0.7 to 0.12), so no shim is needed for the
+# argument itself; what moved is how a sharding's spec is read.
+
+
+def transpose_out_sharding(x: Any, axes: Sequence[int]) -> Any:
+    """The ``out_sharding`` JAX's transpose rules give the ``dot_general``
+    that computes ``x``'s cotangent (``_dot_general_transpose_lhs`` in
+    ``jax/_src/lax/lax.py``): ``x``'s sharding with its spec in the order
+    ``axes`` (``x``'s axes as that ``dot_general`` lays them out).
+
+    Under a mesh with ``Explicit`` axes, a weight-gradient matmul contracts
+    the sharded batch axis and raises ``ShardingTypeError`` without it.
+    ``None`` where types carry no sharding (no mesh anywhere).
+    """
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if sharding is None or spec is None:
+        return None
+    if getattr(sharding.mesh, "empty", False):
+        # jax >= 0.10 then takes the mesh in context (0.7 kept the empty
+        # one); without one, None is the same as either.
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.axis_names:
+            return None
+        return jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec(*[None] * len(axes))
+        )
+    entries = tuple(spec) + (None,) * (jnp.ndim(x) - len(tuple(spec)))
+    permuted = tuple(entries[a] for a in axes)
+    # PartitionSpec.update keeps unreduced/reduced axes on jax >= 0.8.
+    return sharding.update(spec=spec.update(partitions=permuted))
+
+
+def vary_over(x: Any, axes: frozenset[Any]) -> Any:
+    """``x`` made to vary over the mapped ``axes`` of a ``shard_map`` (as
+    ``lax.dot_general`` does implicitly to an operand that meets a varying
+    one), so that a ``custom_vjp``'s cotangent for it has its type (its
+    transpose is the ``psum`` that the gradient of a replicated weight
+    needs)."""
+    missing = tuple(sorted(axes - vma(x), key=str))
+    if not missing:
+        return x
+    pcast = getattr(jax.lax, "pcast", None)  # jax >= 0.9
+    if pcast is not None:
+        return pcast(x, missing, to="varying")
+    return jax.lax.pvary(x, missing)  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def sharded_for(x: Any, target: Any) -> Any:
+    """``x``, which broadcasts against ``target`` (a scalar, or of the same
+    rank), resharded so that each axis it does not broadcast is sharded as
+    ``target``'s is, and the others not at all.
+
+    Under explicit mesh axes, ``target * x`` is otherwise sharded as their
+    shardings combine, which can differ from ``target``'s (a ``dot_general``
+    output given an ``out_sharding``, times row-wise scales). Elsewhere
+    (auto axes, ``shard_map``, no mesh) specs read ``None`` and ``x`` comes
+    back as it is.
+    """
+    if jnp.ndim(x) != jnp.ndim(target):  # a scalar
+        return x
+    want = tuple(
+        None if n == 1 else entry
+        for n, entry in zip(jnp.shape(x), spec(target), strict=True)
+    )
+    sharding = getattr(jax.typeof(target), "sharding", None)
+    if spec(x) == want or sharding is None:
+        return x
+    return jax.sharding.reshard(
+        x, sharding.update(spec=jax.sharding.PartitionSpec(*want))
+    )

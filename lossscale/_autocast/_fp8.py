@@ -1,0 +1,495 @@
+"""Float8 matmuls with current scaling: :class:`Float8` and :func:`dot_general`.
+
+A leaf module (it imports JAX, numpy and :mod:`lossscale._compat` only):
+:func:`dot_general` is what autocast binds in place of a matmul it would
+run in its compute dtype, with the equation's dimension numbers.
+
+XLA:CPU runs a ``dot_general`` of float8 operands exactly (it converts them
+to float32), so the tests check the numerics on CPU; on a GPU of compute
+capability 8.9 or more, XLA rewrites it into a cuBLASLt float8 GEMM
+(``benchmarks/fp8_check.py`` counts those in compiled HLO).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from lossscale import _compat
+
+__all__ = [
+    "EPS",
+    "RECIPES",
+    "Float8",
+    "dot_general",
+    "round_down_to_power_of_two",
+]
+
+E4M3 = np.dtype(jnp.float8_e4m3fn)
+E5M2 = np.dtype(jnp.float8_e5m2)
+F32 = np.dtype(np.float32)
+_MAX = {E4M3: 448.0, E5M2: 57344.0}
+
+# torchao's floor under an amax (torchao/float8/float8_utils.py): a tensor
+# of zeros gets a finite scale. float32's tiny (1.2e-38) would not do:
+# 448 / tiny overflows to inf, and 0 * inf is NaN.
+EPS = 1e-12
+
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+# torchao's Float8LinearConfig.from_recipe_name: round_scales_to_power_of_2.
+_POWER_OF_TWO_DEFAULT = {
+    "tensorwise": False,
+    "rowwise": True,
+    "rowwise_with_gw_hp": True,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8:
+    """How :func:`dot_general` runs a matmul in float8 (current scaling).
+
+    Each operand is quantised with a scale computed from its own values, in
+    this step (*current*, or *dynamic*, scaling: no state, no amax
+    history), as torchao's float8 training does:
+
+    .. code-block:: none
+
+        amax  = max(|x|)                  # per tensor, or per row (below)
+        scale = fp8_max / max(amax, EPS)  # float32; rounded DOWN to a power
+                                          # of two if power_of_two_scales
+        q     = float8(float32(x) * scale)   # no clip: nothing overflows
+        out   = dot(q_lhs, q_rhs, accumulate=float32) / (scale_lhs * scale_rhs)
+
+    The quantised operands go straight into one ``lax.dot_general`` with
+    ``preferred_element_type=float32`` ("direct" quantisation, which XLA
+    rewrites into a cuBLASLt float8 GEMM on GPUs of compute capability 8.9
+    and newer); its result is multiplied by the inverse scales and cast to
+    ``compute_dtype``. Forward operands are ``float8_e4m3fn`` (max 448);
+    the backward pass quantises the output gradient to ``float8_e5m2``
+    (max 57344) and multiplies it by an ``e4m3`` operand (the "HYBRID"
+    format; cuBLASLt has no ``e5m2 x e5m2`` GEMM). Gradients come back in
+    their operands' dtypes.
+
+    Recipes (torchao's names):
+
+    - ``"tensorwise"``: one scale per tensor. The backward pass reuses the
+      forward's ``e4m3`` operands (one byte per element is all it keeps).
+    - ``"rowwise"``: one scale per row of the lhs and per column of the rhs
+      (per position of the operand's non-contracting and batch dimensions:
+      the amax is taken over the contracting dimensions of that matmul),
+      still one float8 matmul, whose output is multiplied by the outer
+      product of the inverse scales. Each backward matmul contracts other
+      dimensions, so it quantises its operands again, along its own
+      contracting dimensions, from the operands kept in their own dtype.
+    - ``"rowwise_with_gw_hp"``: as ``"rowwise"``, except that the lhs
+      gradient's rhs is scaled per tensor, and that the **rhs gradient is
+      computed in** ``compute_dtype`` (no float8; as autocast's 16-bit
+      matmuls, whose GEMMs accumulate in float32 on GPUs). By
+      convention the rhs is the weight, as in ``x @ w`` and flax's
+      ``Linear`` (``dot_general(inputs, kernel, ...)``): this keeps the
+      weight gradient accurate.
+
+    A non-finite value is never hidden: an inf or NaN in an operand (or in
+    the output gradient) makes its amax inf or NaN, its scale 0 or NaN,
+    and every result that depends on it NaN (no clip before the cast, no
+    "keep the previous scale" guard). A power-of-two loss scale is absorbed
+    exactly: scaling the output gradient by ``2**k`` scales its amax and its
+    inverse scale by ``2**k`` and leaves its float8 values unchanged, so the
+    gradients unscaled afterwards are bitwise those computed without it
+    (with or without power-of-two scales, as long as the gradient's amax
+    stays above ``EPS`` and nothing overflows).
+
+    How it maps to other libraries:
+
+    - TransformerEngine's ``Float8CurrentScaling`` recipe (``HYBRID``
+      format) is ``Float8("tensorwise")``;
+    - torchao's ``Float8LinearConfig.from_recipe_name(name)`` is
+      ``Float8(name)`` with the same ``power_of_two_scales`` default, except
+      that torchao's row-wise recipes quantise the output gradient to
+      ``e4m3``, and this one to ``e5m2`` for every recipe;
+    - flax's ``Fp8DotGeneral`` (``flax.linen.fp8_ops``) uses *delayed*
+      scaling: scales from an amax history kept as state and passed through
+      the gradients. There is no such state here.
+
+    Args:
+      recipe: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"``.
+      compute_dtype: the dtype of the forward result (``jnp.bfloat16`` or
+        ``jnp.float16``, or their names).
+      power_of_two_scales: round every scale down to a power of two (so
+        that scaling is exact). By default, as torchao's recipe: ``False``
+        for ``"tensorwise"``, ``True`` for the row-wise ones.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from lossscale._autocast import _fp8
+      >>> config = _fp8.Float8()
+      >>> config.recipe, config.compute_dtype, config.power_of_two_scales
+      ('tensorwise', dtype(bfloat16), False)
+      >>> _fp8.Float8("rowwise", "float16").power_of_two_scales
+      True
+
+    References:
+      Micikevicius et al., `FP8 Formats for Deep Learning
+      <https://arxiv.org/abs/2209.05433>`_, 2022.
+
+      torchao, `float8 training
+      <https://github.com/pytorch/ao/tree/main/torchao/float8>`_.
+    """
+
+    recipe: str = "tensorwise"
+    compute_dtype: Any = jnp.bfloat16
+    power_of_two_scales: bool | None = dataclasses.field(
+        default=None, kw_only=True
+    )
+
+    def __post_init__(self) -> None:
+        if self.recipe not in RECIPES:
+            raise ValueError(
+                f"recipe must be one of {RECIPES}, got recipe={self.recipe!r}."
+            )
+        object.__setattr__(
+            self, "compute_dtype", _check_compute_dtype(self.compute_dtype)
+        )
+        pow2 = self.power_of_two_scales
+        if pow2 is None:
+            pow2 = _POWER_OF_TWO_DEFAULT[self.recipe]
+        elif not isinstance(pow2, bool | np.bool_):
+            raise TypeError(
+                "power_of_two_scales must be a bool (or None for the "
+                f"recipe's default), got power_of_two_scales={pow2!r}."
+            )
+        object.__setattr__(self, "power_of_two_scales", bool(pow2))
+
+
+def _check_compute_dtype(dtype: Any) -> np.dtype:
+    try:
+        result = np.dtype(dtype)
+    except TypeError:
+        result = None
+    if result is None or result not in (
+        np.dtype(jnp.bfloat16),
+        np.dtype(jnp.float16),
+    ):
+        raise TypeError(
+            "compute_dtype must be jnp.bfloat16 or jnp.float16 (or their "
+            f"names), got compute_dtype={dtype!r}."
+        )
+    return result
+
+
+Axes = tuple[int, ...]
+# ((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))
+Dims = tuple[tuple[Axes, Axes], tuple[Axes, Axes]]
+
+
+def dot_general(
+    lhs: jax.typing.ArrayLike,
+    rhs: jax.typing.ArrayLike,
+    dimension_numbers: Any,
+    config: Float8,
+    *,
+    out_sharding: Any = None,
+) -> jax.Array:
+    """``lax.dot_general(lhs, rhs, dimension_numbers)`` in float8.
+
+    Quantises both operands to ``float8_e4m3fn`` with current scaling
+    (:class:`Float8` says how), runs one float8 ``dot_general`` with float32
+    accumulation, and returns its result times the inverse scales, in
+    ``config.compute_dtype``. Differentiable (a ``jax.custom_vjp``): the
+    backward matmuls are float8 too, ``e5m2`` gradient by ``e4m3`` operand,
+    with the dimension numbers and output shardings of JAX's own transpose
+    rules for ``dot_general``.
+
+    Args:
+      lhs: a real floating-point array, of any float dtype.
+      rhs: likewise.
+      dimension_numbers: as ``lax.dot_general``'s,
+        ``((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))``.
+      config: a :class:`Float8`.
+      out_sharding: as ``lax.dot_general``'s (the equation's
+        ``out_sharding`` param), for the forward matmul.
+
+    Returns:
+      The product, in ``config.compute_dtype``; its gradients with respect
+      to ``lhs`` and ``rhs`` are in their dtypes.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from lossscale._autocast import _fp8
+      >>> x, w = jnp.ones((4, 8)), jnp.full((8, 2), 0.5)
+      >>> dims = (((1,), (0,)), ((), ()))  # x @ w
+      >>> y = _fp8.dot_general(x, w, dims, _fp8.Float8())
+      >>> y.dtype, float(y[0, 0])
+      (dtype(bfloat16), 4.0)
+      >>> def loss(x, w):
+      ...     y = _fp8.dot_general(x, w, dims, _fp8.Float8())
+      ...     return jnp.sum(y.astype(jnp.float32))
+      >>> dx, dw = jax.grad(loss, (0, 1))(x, w)
+      >>> dx.dtype, round(float(dx[0, 0]), 4), round(float(dw[0, 0]), 4)
+      (dtype('float32'), 1.0, 4.0)
+    """
+    if not isinstance(config, Float8):
+        raise TypeError(
+            f"config must be a lossscale Float8, got config={config!r}."
+        )
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    for name, x in (("lhs", lhs), ("rhs", rhs)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(
+                f"{name} must be a real floating-point array, got {name} of "
+                f"dtype {x.dtype}."
+            )
+    dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+    dims = _canonical(dimension_numbers)
+    # Under shard_map, a replicated weight meeting a sharded activation is
+    # made varying first, as lax.dot_general would (its cotangent is then
+    # the psum of the per-device ones).
+    varying = _compat.vma(lhs) | _compat.vma(rhs)
+    lhs, rhs = _compat.vary_over(lhs, varying), _compat.vary_over(rhs, varying)
+    return _fp8_dot(lhs, rhs, dims, config, out_sharding, dtypes)
+
+
+def _canonical(dimension_numbers: Any) -> Dims:
+    (lc, rc), (lb, rb) = dimension_numbers
+    return (
+        (tuple(int(d) for d in lc), tuple(int(d) for d in rc)),
+        (tuple(int(d) for d in lb), tuple(int(d) for d in rb)),
+    )
+
+
+# --- scales -----------------------------------------------------------------
+
+
+def round_down_to_power_of_two(scale: jax.Array) -> jax.Array:
+    """Each float32 of ``scale`` rounded down to a power of two, exactly.
+
+    torchao computes ``exp2(floor(log2(scale)))``; JAX's ``log2`` is
+    ``log(x) / log(2)``, which is off at most powers of two (the floor then
+    halves the scale). Clearing the mantissa bits of a positive normal
+    float is exact; 0 and inf are kept, and NaN is kept NaN (clearing a
+    NaN's mantissa would make it inf).
+    """
+    bits = lax.bitcast_convert_type(scale, np.uint32)
+    rounded = lax.bitcast_convert_type(bits & np.uint32(0xFF800000), F32)
+    return jnp.where(jnp.isnan(scale), scale, rounded)
+
+
+def _scale(
+    x: jax.Array, dtype: np.dtype, axes: Sequence[int] | None, pow2: bool
+) -> jax.Array:
+    """float32 scale(s) of ``x`` for ``dtype``: one (a scalar) if ``axes``
+    is ``None``, else one per position of the other axes (``keepdims``)."""
+    # initial=0: an operand of size 0 has an amax too (then its scale is
+    # finite, and its product zeros), as an empty sum is 0.
+    if axes is None:
+        amax = jnp.max(jnp.abs(x), initial=0)
+    else:
+        axes = tuple(axes)
+        amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True, initial=0)
+    amax = amax.astype(F32)
+    scale = _MAX[dtype] / jnp.maximum(amax, EPS)
+    return round_down_to_power_of_two(scale) if pow2 else scale
+
+
+def _quantize(
+    x: jax.Array, dtype: np.dtype, axes: Sequence[int] | None, pow2: bool
+) -> tuple[jax.Array, jax.Array]:
+    scale = _scale(x, dtype, axes, pow2)
+    return (x.astype(F32) * scale).astype(dtype), scale
+
+
+def _inverse_in_output(
+    scale: jax.Array, contract: Sequence[int], batch: Sequence[int],
+    ndim: int, other_free: int, lhs_side: bool,
+) -> jax.Array:  # fmt: skip
+    """``1 / scale`` laid out for a ``dot_general`` output, whose axes are
+    (batch, lhs free, rhs free): the operand's batch axes in the order the
+    dimension numbers give, its free axes in order, and size-1 axes for the
+    other operand's free axes."""
+    inverse = 1.0 / scale
+    if inverse.ndim == 0:
+        return inverse
+    free = [d for d in range(ndim) if d not in contract and d not in batch]
+    inverse = lax.squeeze(inverse, tuple(contract))
+    kept = sorted([*batch, *free])
+    inverse = lax.transpose(
+        inverse, tuple(kept.index(d) for d in [*batch, *free])
+    )
+    start = len(batch) + len(free) if lhs_side else len(batch)
+    return lax.expand_dims(inverse, tuple(range(start, start + other_free)))
+
+
+def _scaled_dot(
+    qa: jax.Array, sa: jax.Array, qb: jax.Array, sb: jax.Array,
+    dims: Dims, out_sharding: Any,
+) -> jax.Array:  # fmt: skip
+    """``dot(qa, qb) / (sa * sb)`` in float32: one float8 matmul, then its
+    output times the inverse scales (first ``qa``'s, then ``qb``'s)."""
+    (ac, bc), (ab, bb) = dims
+    out = lax.dot_general(
+        qa,
+        qb,
+        dims,
+        preferred_element_type=F32,
+        out_sharding=out_sharding,
+    )
+    a_free = qa.ndim - len(ac) - len(ab)
+    b_free = qb.ndim - len(bc) - len(bb)
+    inv_a = _inverse_in_output(sa, ac, ab, qa.ndim, b_free, True)
+    inv_b = _inverse_in_output(sb, bc, bb, qb.ndim, a_free, False)
+    # Row-wise scales are sharded as their operands: they must not reshard
+    # the product (explicit mesh axes) away from its out_sharding.
+    out = out * _compat.sharded_for(inv_a, out)
+    return out * _compat.sharded_for(inv_b, out)
+
+
+# --- the matmul and its derivative -----------------------------------------
+
+
+def _axes(rowwise: bool, axes: Sequence[int]) -> Sequence[int] | None:
+    return tuple(axes) if rowwise else None
+
+
+def _forward(
+    lhs: jax.Array, rhs: jax.Array, dims: Dims, config: Float8,
+    out_sharding: Any,
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:  # fmt: skip
+    rowwise = config.recipe != "tensorwise"
+    pow2 = bool(config.power_of_two_scales)
+    (lc, rc), _ = dims
+    q_lhs, s_lhs = _quantize(lhs, E4M3, _axes(rowwise, lc), pow2)
+    q_rhs, s_rhs = _quantize(rhs, E4M3, _axes(rowwise, rc), pow2)
+    out = _scaled_dot(q_lhs, s_lhs, q_rhs, s_rhs, dims, out_sharding)
+    out = out.astype(config.compute_dtype)
+    if rowwise:
+        # Each backward matmul scales along its own contracting axes, so
+        # it quantises again from the operands themselves.
+        return out, (lhs, rhs)
+    return out, (q_lhs, s_lhs, q_rhs, s_rhs)
+
+
+# The static arguments: the dimension numbers, the config, the forward's
+# out_sharding, and the operands' dtypes (the float8 residuals lose them).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _fp8_dot(
+    lhs: jax.Array, rhs: jax.Array, dims: Dims, config: Float8,
+    out_sharding: Any, dtypes: tuple[np.dtype, np.dtype],
+) -> jax.Array:  # fmt: skip
+    del dtypes
+    return _forward(lhs, rhs, dims, config, out_sharding)[0]
+
+
+def _fp8_dot_fwd(
+    lhs: jax.Array, rhs: jax.Array, dims: Dims, config: Float8,
+    out_sharding: Any, dtypes: tuple[np.dtype, np.dtype],
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:  # fmt: skip
+    del dtypes
+    return _forward(lhs, rhs, dims, config, out_sharding)
+
+
+def _transpose(
+    dims: Dims, x_ndim: int, y_ndim: int, swap_ans: bool
+) -> tuple[Dims, list[int], tuple[int, ...]]:
+    """JAX's ``_dot_general_transpose_lhs`` (jax/_src/lax/lax.py): the
+    dimension numbers of ``dot_general(g, y)`` giving x's cotangent, the
+    order of x's axes in its output, and the permutation back to x's."""
+    (x_contract, y_contract), (x_batch, y_batch) = dims
+    x_kept = _remaining(x_ndim, x_contract, x_batch)
+    y_kept = _remaining(y_ndim, y_contract, y_batch)
+    nb = len(x_batch)
+    ans_batch = tuple(range(nb))
+    if swap_ans:
+        ans_y = tuple(range(nb, nb + len(y_kept)))
+    else:
+        start = nb + len(x_kept)
+        ans_y = tuple(range(start, start + len(y_kept)))
+    new_dims = ((ans_y, tuple(y_kept)), (ans_batch, tuple(y_batch)))
+    by_y = [int(d) for d in np.take(x_contract, np.argsort(y_contract))]
+    unsorted = [*x_batch, *x_kept, *by_y]
+    return new_dims, unsorted, tuple(int(d) for d in np.argsort(unsorted))
+
+
+def _remaining(ndim: int, *removed: Sequence[int]) -> list[int]:
+    gone = {d for axes in removed for d in axes}
+    return [d for d in range(ndim) if d not in gone]
+
+
+def _cotangent(
+    g: jax.Array, gs: jax.Array, qy: jax.Array, ys: jax.Array, x_ref: Any,
+    x_dtype: Any, dims: Dims, swap_ans: bool,
+) -> jax.Array:  # fmt: skip
+    """x's cotangent from float8 ``g`` and ``y`` (scales ``gs``, ``ys``), as
+    JAX's transpose rule computes it; ``x_ref`` has x's shape and sharding
+    (x itself, or its float8 copy)."""
+    new_dims, unsorted, out_axes = _transpose(
+        dims, x_ref.ndim, qy.ndim, swap_ans
+    )
+    sharding = _compat.transpose_out_sharding(x_ref, unsorted)
+    out = _scaled_dot(g, gs, qy, ys, new_dims, sharding)
+    return lax.transpose(out, out_axes).astype(x_dtype)
+
+
+def _fp8_dot_bwd(
+    dims: Dims, config: Float8, out_sharding: Any,
+    dtypes: tuple[np.dtype, np.dtype], saved: Any, g: jax.Array,
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    del out_sharding  # the cotangents take their operands' shardings
+    lhs_dtype, rhs_dtype = dtypes
+    pow2 = bool(config.power_of_two_scales)
+    (lc, rc), (lb, rb) = dims
+    swapped: Dims = ((rc, lc), (rb, lb))
+    if config.recipe == "tensorwise":
+        q_lhs, s_lhs, q_rhs, s_rhs = saved
+        q_g, s_g = _quantize(g, E5M2, None, pow2)
+        dlhs = _cotangent(q_g, s_g, q_rhs, s_rhs, q_lhs, lhs_dtype, dims, False)
+        drhs = _cotangent(
+            q_g, s_g, q_lhs, s_lhs, q_rhs, rhs_dtype, swapped, True
+        )
+        return dlhs, drhs
+    lhs, rhs = saved
+    # lhs's cotangent: dot(g, rhs), contracting g's rhs-free axes.
+    l_dims, _, _ = _transpose(dims, lhs.ndim, rhs.ndim, False)
+    (g_axes, r_axes), _ = l_dims
+    q_g, s_g = _quantize(g, E5M2, g_axes, pow2)
+    per_tensor_rhs = config.recipe == "rowwise_with_gw_hp"
+    q_r, s_r = _quantize(rhs, E4M3, None if per_tensor_rhs else r_axes, pow2)
+    dlhs = _cotangent(q_g, s_g, q_r, s_r, lhs, lhs_dtype, dims, False)
+    if config.recipe == "rowwise_with_gw_hp":
+        return dlhs, _high_precision_cotangent(g, lhs, rhs, swapped, config)
+    # rhs's cotangent: dot(g, lhs), contracting g's lhs-free axes.
+    r_dims, _, _ = _transpose(swapped, rhs.ndim, lhs.ndim, True)
+    (g_axes, l_axes), _ = r_dims
+    q_g, s_g = _quantize(g, E5M2, g_axes, pow2)
+    q_l, s_l = _quantize(lhs, E4M3, l_axes, pow2)
+    drhs = _cotangent(q_g, s_g, q_l, s_l, rhs, rhs_dtype, swapped, True)
+    return dlhs, drhs
+
+
+def _high_precision_cotangent(
+    g: jax.Array, lhs: jax.Array, rhs: jax.Array, swapped: Dims,
+    config: Float8,
+) -> jax.Array:  # fmt: skip
+    """rhs's cotangent in ``config.compute_dtype``, as autocast binds a
+    matmul in it (``preferred_element_type`` the compute dtype: GPUs
+    accumulate in float32 anyway, and XLA:CPU runs no bf16 x bf16 = f32
+    ``dot_general`` of some dimension numbers)."""
+    new_dims, unsorted, out_axes = _transpose(swapped, rhs.ndim, lhs.ndim, True)
+    dtype = config.compute_dtype
+    out = lax.dot_general(
+        g.astype(dtype),
+        lhs.astype(dtype),
+        new_dims,
+        preferred_element_type=dtype,
+        out_sharding=_compat.transpose_out_sharding(rhs, unsorted),
+    )
+    return lax.transpose(out, out_axes).astype(rhs.dtype)
+
+
+_fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)

@@ -1,0 +1,660 @@
+"""Float8 matmuls with current scaling (lossscale/_autocast/_fp8.py).
+
+The reference is numpy and ml_dtypes: each operand quantised as torchao
+does (``scale = fp8_max / max(amax, 1e-12)``, optionally rounded down to a
+power of two, ``q = float8(x * scale)``), dequantised, and multiplied in
+float64. XLA:CPU runs a float8 ``dot_general`` exactly as a float32 dot of
+the float8 values (their products are exact in float32), so the only
+differences are float32 accumulation (at most K * 2**-24 of the sum of
+the absolute terms, for K contracted elements), the float32 rounding of
+the inverse scales and of the two multiplications by them, and, for the
+forward result, the final rounding to bfloat16 (2**-9 relative). The
+tolerance below is K * 2**-23 of the absolute terms plus 2**-8 (bfloat16
+results) or 2**-21 (float32 gradients) of the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import pathlib
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from lossscale import _compat
+from lossscale._autocast import _fp8
+from tests.helpers import equations, explicit_mesh, set_mesh
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location(
+    "fp8_check", ROOT / "benchmarks" / "fp8_check.py"
+)
+assert _spec is not None and _spec.loader is not None
+fp8_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fp8_check)
+
+E4M3, E5M2 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)
+F32, BF16 = np.dtype(np.float32), np.dtype(jnp.bfloat16)
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+
+# jax 0.7's XLA:CPU converts float32 to float8 through float16, rounding
+# twice (10.50195 becomes 10.5, then 10 by ties-to-even, not 11): about
+# 0.4% of the values land one float8 step away. The reference rounds as
+# the installed XLA does.
+THROUGH_FLOAT16 = (
+    float(jnp.asarray(np.float32(10.501953125)).astype(E4M3)) == 10
+)
+
+# The dimension numbers of a transformer's matmuls, as einsum specs whose
+# output is in dot_general's order (batch, lhs free, rhs free).
+SPECS = {
+    "2d": ("ik,kj->ij", (6, 8), (8, 5)),
+    "dense": ("bld,df->blf", (2, 4, 32), (32, 16)),
+    "attention": ("bhqd,bhkd->bhqk", (2, 2, 3, 8), (2, 2, 4, 8)),
+    "contracting_first": ("kbi,jk->bij", (8, 2, 3), (5, 8)),
+    "batch_in_middle": ("qhd,khd->hqk", (3, 2, 8), (4, 2, 8)),
+    "two_contracting": ("bhd,hdf->bf", (3, 2, 4), (2, 4, 5)),
+}
+CONFIGS = {
+    "tensorwise": _fp8.Float8("tensorwise"),
+    "tensorwise_pow2": _fp8.Float8("tensorwise", power_of_two_scales=True),
+    "rowwise": _fp8.Float8("rowwise"),
+    "rowwise_no_pow2": _fp8.Float8("rowwise", power_of_two_scales=False),
+    "rowwise_with_gw_hp": _fp8.Float8("rowwise_with_gw_hp"),
+}
+RECIPES = _fp8.RECIPES
+
+
+# --- the reference ------------------------------------------------------
+
+
+def dimension_numbers(spec):
+    """``lax.dot_general``'s dimension numbers for an einsum spec."""
+    ins, out = spec.split("->")
+    a, b = ins.split(",")
+    contract = [c for c in a if c in b and c not in out]
+    batch = [c for c in out if c in a and c in b]
+    free_a = [c for c in a if c not in b]
+    free_b = [c for c in b if c not in a]
+    assert out == "".join(batch + free_a + free_b), spec
+
+    def positions(names, operand):
+        return tuple(operand.index(c) for c in names)
+
+    return (
+        (positions(contract, a), positions(contract, b)),
+        (positions(batch, a), positions(batch, b)),
+    )
+
+
+def ref_dequantize(x, dtype, axes, pow2):
+    """x quantised to ``dtype`` and back, in float64; ``axes``: those the
+    amax is taken over (``None``: the whole tensor)."""
+    x = np.asarray(x, np.float32)
+    if axes is None:
+        amax = np.max(np.abs(x))
+    else:
+        amax = np.max(np.abs(x), axis=tuple(axes), keepdims=True)
+    scale = np.float32(FP8_MAX[dtype]) / np.maximum(amax, np.float32(1e-12))
+    if pow2:
+        _, exponent = np.frexp(scale)
+        scale = np.ldexp(np.float32(0.5), exponent).astype(np.float32)
+    scaled = x * scale
+    if THROUGH_FLOAT16:
+        scaled = scaled.astype(np.float16)
+    q = scaled.astype(dtype)
+    return q.astype(np.float64) / np.asarray(scale, np.float64)
+
+
+def contracted(spec, operand):
+    """The axes of an einsum operand that ``spec`` sums over."""
+    ins, out = spec.split("->")
+    names = ins.split(",")
+    other = names[1 - operand]
+    mine = names[operand]
+    return tuple(i for i, c in enumerate(mine) if c in other and c not in out)
+
+
+class Ref(NamedTuple):
+    """``einsum(spec, a, b)`` in float64, and what bounds its rounding."""
+
+    value: np.ndarray
+    terms: np.ndarray  # the sum of the absolute terms
+    k: int  # the number of terms summed
+    rel: float  # the relative rounding of the result's dtype
+
+
+def exact_product(spec, a, b, rel=2.0**-21):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    k = int(np.prod([a.shape[i] for i in contracted(spec, 0)]))
+    terms = np.einsum(spec, np.abs(a), np.abs(b))
+    return Ref(np.einsum(spec, a, b), terms, k, rel)
+
+
+def ref_product(
+    spec, a, a_dtype, a_rowwise, b, b_dtype, b_rowwise, pow2, rel=2.0**-21
+):
+    """:func:`exact_product` of the operands quantised (row-wise: along the
+    axes ``spec`` contracts) and dequantised."""
+    da = ref_dequantize(
+        a, a_dtype, contracted(spec, 0) if a_rowwise else None, pow2
+    )
+    db = ref_dequantize(
+        b, b_dtype, contracted(spec, 1) if b_rowwise else None, pow2
+    )
+    return exact_product(spec, da, db, rel)
+
+
+def ref_vjp(spec, lhs, rhs, ct, config):
+    """(y, dlhs, drhs) of the float8 recipe, each a :class:`Ref`."""
+    ins, out = spec.split("->")
+    a, b = ins.split(",")
+    rowwise = config.recipe != "tensorwise"
+    pow2 = config.power_of_two_scales
+    y = ref_product(spec, lhs, E4M3, rowwise, rhs, E4M3, rowwise, pow2, 2.0**-8)
+    g = np.asarray(ct, np.float32)
+    dlhs = ref_product(
+        f"{out},{b}->{a}", g, E5M2, rowwise, rhs, E4M3,
+        config.recipe == "rowwise", pow2,
+    )  # fmt: skip
+    if config.recipe == "rowwise_with_gw_hp":
+        # in the compute dtype (the cotangent already is), rounded to it
+        drhs = exact_product(
+            f"{out},{a}->{b}", g, np.asarray(lhs, BF16), 2.0**-8
+        )
+    else:
+        drhs = ref_product(
+            f"{out},{a}->{b}", g, E5M2, rowwise, lhs, E4M3, rowwise, pow2
+        )
+    return y, dlhs, drhs
+
+
+def assert_within_rounding(actual, ref, rel=None):
+    actual = np.asarray(actual, np.float64)
+    assert actual.shape == ref.value.shape
+    rel = ref.rel if rel is None else rel
+    allowed = ref.k * 2.0**-23 * ref.terms + rel * np.abs(ref.value)
+    excess = np.abs(actual - ref.value) - allowed
+    assert np.all(excess <= 0), f"off by {np.max(excess):.3g} past rounding"
+
+
+# --- the functions under test -------------------------------------------
+
+
+@functools.cache
+def fp8_vjps(spec, names):
+    """jit of ``{config name: (y, dlhs, drhs)}`` for a cotangent ``ct``, for
+    the configs named: one compile per pattern (and dtypes) for them all."""
+    dims = dimension_numbers(spec)
+
+    def one(config, lhs, rhs, ct):
+        fun = functools.partial(_fp8.dot_general, dimension_numbers=dims)
+        y, vjp = jax.vjp(lambda a, b: fun(a, b, config=config), lhs, rhs)
+        return (y, *vjp(ct))
+
+    def run(lhs, rhs, ct):
+        return {n: one(CONFIGS[n], lhs, rhs, ct) for n in names}
+
+    return jax.jit(run)
+
+
+def exact_vjp(spec, lhs, rhs, ct):
+    """(y, dlhs, drhs) of ``einsum(spec, lhs, rhs)`` in float64 numpy."""
+    ins, out = spec.split("->")
+    a, b = ins.split(",")
+    lhs, rhs, ct = (np.asarray(v, np.float64) for v in (lhs, rhs, ct))
+    with np.errstate(invalid="ignore", over="ignore"):
+        return (
+            np.einsum(spec, lhs, rhs),
+            np.einsum(f"{out},{b}->{a}", ct, rhs),
+            np.einsum(f"{out},{a}->{b}", ct, lhs),
+        )
+
+
+def data(spec, shape_a, shape_b, seed=0, spread=3.0):
+    """float32 operands, normal with rows scaled by up to e**spread (so that
+    per-tensor scaling puts the small ones among float8's subnormals), and
+    a bfloat16 cotangent; numpy, so that making them compiles nothing."""
+    rng = np.random.default_rng(seed)
+
+    def draw(shape, spread):
+        rows = np.exp(
+            spread * rng.uniform(size=shape[:1] + (1,) * (len(shape) - 1))
+        )
+        return (rng.standard_normal(shape) * rows).astype(np.float32)
+
+    lhs, rhs = draw(shape_a, spread), draw(shape_b, spread)
+    out_shape = np.einsum(spec, lhs, rhs).shape
+    return lhs, rhs, draw(out_shape, 0.0).astype(BF16)  # fmt: skip
+
+
+# --- numerics -------------------------------------------------------------
+
+
+@functools.cache
+def results(case, spread=3.0):
+    """The data of a pattern, and the results of its configs (every recipe;
+    on "dense", every config) on it."""
+    spec, shape_a, shape_b = SPECS[case]
+    lhs, rhs, ct = data(spec, shape_a, shape_b, spread=spread)
+    names = tuple(CONFIGS) if case == "dense" else RECIPES
+    return (lhs, rhs, ct), fp8_vjps(spec, names)(lhs, rhs, ct)
+
+
+# Every pattern with every recipe at its default, and the other choice of
+# power-of-two scales on one pattern.
+MATRIX = [(case, recipe) for case in SPECS for recipe in RECIPES] + [
+    ("dense", "tensorwise_pow2"),
+    ("dense", "rowwise_no_pow2"),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "config"), MATRIX, ids=[f"{c}-{r}" for c, r in MATRIX]
+)
+def test_matches_the_numpy_reference_to_float32_rounding(case, config):
+    (lhs, rhs, ct), got = results(case)
+    y, dlhs, drhs = got[config]
+    assert (y.dtype, dlhs.dtype, drhs.dtype) == (BF16, F32, F32)
+    ref = ref_vjp(SPECS[case][0], lhs, rhs, ct, CONFIGS[config])
+    for actual, expected in zip((y, dlhs, drhs), ref, strict=True):
+        assert_within_rounding(actual, expected)
+
+
+def test_bfloat16_operands_give_gradients_in_bfloat16():
+    spec, shape_a, shape_b = SPECS["dense"]
+    lhs, rhs, ct = data(spec, shape_a, shape_b)
+    lhs, rhs = lhs.astype(BF16), rhs.astype(BF16)
+    names = ("tensorwise", "rowwise_with_gw_hp")
+    got = fp8_vjps(spec, names)(lhs, rhs, ct)
+    for name in names:
+        config = CONFIGS[name]
+        y, dlhs, drhs = got[name]
+        assert (y.dtype, dlhs.dtype, drhs.dtype) == (BF16, BF16, BF16)
+        ref = ref_vjp(spec, lhs.astype(F32), rhs.astype(F32), ct, config)
+        for actual, expected in zip((y, dlhs, drhs), ref, strict=True):
+            assert_within_rounding(actual, expected, 2.0**-8)
+
+
+@pytest.mark.parametrize("config", RECIPES)
+def test_close_to_float32_within_float8_precision(config):
+    # e4m3 keeps 3 mantissa bits (relative rounding error up to 2**-4),
+    # e5m2 keeps 2 (2**-3): a product of random signs is off by a few
+    # percent of its norm, its gradients (e5m2 by e4m3) by more.
+    (lhs, rhs, ct), got = results("dense", spread=0.0)
+    exact = exact_vjp(SPECS["dense"][0], lhs, rhs, ct)
+    for x, ref, tol in zip(got[config], exact, (0.06, 0.1, 0.1), strict=True):
+        x = np.asarray(x, np.float64)
+        assert np.linalg.norm(x - ref) / np.linalg.norm(ref) < tol
+
+
+def test_rowwise_is_more_accurate_than_tensorwise_on_uneven_rows():
+    # Rows of the lhs from 1 to 2**-20 of the largest: per tensor, the
+    # smallest fall below float8's subnormals (2**-9 of 448).
+    spec, shape_a, shape_b = SPECS["2d"]
+    lhs, rhs, ct = data(spec, shape_a, shape_b, spread=0.0)
+    lhs = lhs * np.exp2(-np.linspace(0, 20, 6, dtype=np.float32))[:, None]
+    exact = exact_vjp(spec, lhs, rhs, ct)[0]
+    got = fp8_vjps(spec, RECIPES)(lhs, rhs, ct)  # as results("2d")
+    errors = {}
+    for name in ("tensorwise", "rowwise"):
+        y = np.asarray(got[name][0], np.float64)
+        # the worst row, relative to its own size
+        errors[name] = np.max(
+            np.linalg.norm(y - exact, axis=1) / np.linalg.norm(exact, axis=1)
+        )
+    assert errors["rowwise"] < 0.1 < errors["tensorwise"]
+
+
+def test_round_down_to_power_of_two_is_exact():
+    powers = np.ldexp(np.float32(1), np.arange(-126, 128))  # exact
+    below = np.nextafter(powers, np.float32(0))
+    special = np.array([0.0, np.inf, np.nan, 3.0, 448.0], np.float32)
+    got = np.asarray(
+        _fp8.round_down_to_power_of_two(
+            jnp.asarray(np.concatenate([powers, below, special]))
+        )
+    )
+    n = powers.size
+    np.testing.assert_array_equal(got[:n], powers)
+    np.testing.assert_array_equal(got[n + 1 : 2 * n], powers[:-1])
+    np.testing.assert_array_equal(got[2 * n :], [0, np.inf, np.nan, 2, 256])
+
+
+# --- structure, from jaxprs -----------------------------------------------
+
+
+def dense_loss(config):
+    dims = dimension_numbers("bld,df->blf")
+
+    def loss(x, w):
+        y = _fp8.dot_general(x, w, dims, config)
+        return jnp.sum(y.astype(F32) ** 2)
+
+    return loss
+
+
+def dots(jaxpr):
+    return [
+        (
+            sorted(np.dtype(v.aval.dtype).name for v in eqn.invars),
+            np.dtype(eqn.params["preferred_element_type"]),
+        )
+        for eqn in equations(jaxpr)
+        if eqn.primitive.name == "dot_general"
+    ]
+
+
+@pytest.mark.parametrize(
+    "config", ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+)
+def test_forward_e4m3_backward_e5m2_by_e4m3_float32_accumulation(config):
+    lhs, rhs, _ = data(*SPECS["dense"])
+    jaxpr = jax.make_jaxpr(jax.grad(dense_loss(CONFIGS[config]), (0, 1)))(
+        lhs, rhs
+    )
+    e4, e5 = "float8_e4m3fn", "float8_e5m2"
+    found = dots(jaxpr)
+    assert found[0] == ([e4, e4], F32)  # the forward matmul
+    backward = sorted(found[1:])
+    if config == "rowwise_with_gw_hp":
+        # the weight's gradient in the compute dtype, no float8
+        assert backward == [(["bfloat16", "bfloat16"], BF16), ([e4, e5], F32)]
+        assert fp8_check.count_fp8_dots(jaxpr) == (1, 1, 0)
+    else:
+        assert backward == [([e4, e5], F32), ([e4, e5], F32)]
+        assert fp8_check.count_fp8_dots(jaxpr) == (1, 2, 0)
+    # Direct quantisation: nothing is converted from float8 to a wider type
+    # before a matmul (the "QDQ" pattern XLA's rewrite may miss).
+    for eqn in equations(jaxpr):
+        if eqn.primitive.name == "convert_element_type":
+            assert "float8" not in np.dtype(eqn.invars[0].aval.dtype).name
+
+
+def residuals(fun, *args):
+    """What ``jax.vjp(fun, *args)`` keeps for the backward pass (traced
+    abstractly: nothing runs)."""
+    saved = jax.eval_shape(
+        lambda *a: jax.tree.leaves(jax.vjp(fun, *a)[1]), *args
+    )
+    return [(np.dtype(r.dtype), r.shape) for r in saved]
+
+
+def test_per_tensor_keeps_float8_residuals():
+    dims = dimension_numbers("bld,df->blf")
+    lhs, rhs, _ = data(*SPECS["dense"])
+    saved = residuals(
+        lambda a, b: _fp8.dot_general(a, b, dims, CONFIGS["tensorwise"]),
+        lhs,
+        rhs,
+    )
+    big = [(d, s) for d, s in saved if s]  # all but the scalar scales
+    assert sorted(big) == [(E4M3, lhs.shape), (E4M3, rhs.shape)]
+    assert all(d == F32 for d, s in saved if not s)
+    # Negative controls: row-wise keeps the operands (each backward matmul
+    # quantises them again, along other axes), as does a float32 matmul.
+    for fun in (
+        lambda a, b: _fp8.dot_general(a, b, dims, CONFIGS["rowwise"]),
+        lambda a, b: jnp.einsum("bld,df->blf", a, b),
+    ):
+        assert sorted(residuals(fun, lhs, rhs)) == [
+            (F32, lhs.shape),
+            (F32, rhs.shape),
+        ]
+
+
+# --- non-finite values --------------------------------------------------
+
+
+def test_non_finite_values_are_never_hidden():
+    # Wherever exact arithmetic gives inf or NaN, so does float8 (per
+    # tensor, everything is NaN; row-wise, the rows and columns involved).
+    spec = SPECS["dense"][0]
+    (lhs, rhs, ct), control = results("dense")
+    run = fp8_vjps(spec, tuple(CONFIGS))
+    assert all(np.isfinite(r).all() for r in jax.tree.leaves(control))
+    names = ("y", "dlhs", "drhs")
+    # the results that an operand (lhs, rhs, cotangent) reaches
+    reaches = ({"y", "drhs"}, {"y", "dlhs"}, {"dlhs", "drhs"})
+    for bad in (np.inf, -np.inf, np.nan):
+        for where in range(3):
+            args = [lhs.copy(), rhs.copy(), ct.copy()]
+            args[where][(1,) * args[where].ndim] = bad
+            exact = exact_vjp(spec, *args)
+            for config, ours in run(*args).items():
+                for name, x, ref in zip(names, ours, exact, strict=True):
+                    x = np.asarray(x, np.float64)
+                    case = (config, bad, where, name)
+                    assert not (~np.isfinite(ref) & np.isfinite(x)).any(), case
+                    assert (~np.isfinite(ref)).any() == (name in reaches[where])
+
+
+def test_zeros_give_zeros():
+    # A zero operand (a zero-initialised layer) or cotangent has amax 0:
+    # EPS keeps its scale finite (448 / float32's tiny would overflow to
+    # inf, and 0 * inf is NaN).
+    spec = SPECS["dense"][0]
+    (lhs, rhs, ct), _ = results("dense")
+    run = fp8_vjps(spec, tuple(CONFIGS))
+    for where in range(3):
+        args = [lhs, rhs, ct]
+        args[where] = np.zeros_like(args[where])
+        exact = exact_vjp(spec, *args)
+        for config, ours in run(*args).items():
+            for x, ref in zip(ours, exact, strict=True):
+                assert np.isfinite(np.asarray(x, F32)).all(), (config, where)
+                assert ((np.asarray(x, F32) == 0) == (ref == 0)).all()
+
+
+def test_power_of_two_loss_scale_is_absorbed_bit_for_bit():
+    # The cotangent's amax and inverse scale take the factor 2**k exactly,
+    # its float8 values do not change: unscaled gradients are bitwise the
+    # same, with and without power-of-two scales.
+    (lhs, rhs, ct), expected = results("dense")
+    run = fp8_vjps(SPECS["dense"][0], tuple(CONFIGS))
+    for k in (12, -5):
+        factor = np.float32(2.0**k)
+        scaled = run(lhs, rhs, ct * BF16.type(factor))
+        for name in CONFIGS:
+            for a, b in zip(expected[name][1:], scaled[name][1:], strict=True):
+                unscaled = np.asarray(b) / factor
+                assert np.asarray(a).tobytes() == unscaled.tobytes(), (name, k)
+
+
+# --- transformations ----------------------------------------------------
+
+
+def test_scan_checkpoint_and_vmap_give_the_same_gradients():
+    config = CONFIGS["tensorwise"]
+    dims = dimension_numbers("ik,kj->ij")
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 8), np.float32)
+    ws = rng.standard_normal((2, 8, 8), np.float32)
+
+    def layer(h, w):
+        return jnp.tanh(_fp8.dot_general(h, w, dims, config).astype(F32))
+
+    def unrolled(ws, x):
+        for w in ws:
+            x = layer(x, w)
+        return jnp.sum(x**2)
+
+    def scanned(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (layer(h, w), None), x, ws)
+        return jnp.sum(h**2)
+
+    def remat(ws, x):
+        for w in ws:
+            x = _compat.checkpoint(layer)(x, w)
+        return jnp.sum(x**2)
+
+    expected = jax.jit(jax.grad(unrolled, (0, 1)))(ws, x)
+    for fun in (scanned, remat):
+        got = jax.jit(jax.grad(fun, (0, 1)))(ws, x)
+        for a, b in zip(got, expected, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert fp8_check.count_fp8_dots(
+        jax.make_jaxpr(jax.grad(scanned))(ws, x)
+    ) == (1, 2, 0)  # in the scan bodies (each once)
+
+    # vmap: each example quantised on its own, as one call per example.
+    batched = jax.jit(jax.vmap(jax.grad(unrolled, 1), (None, 0)))(
+        ws, x[:, None]
+    )
+    one = jax.jit(jax.grad(unrolled, 1))
+    for i in range(x.shape[0]):
+        expected = one(ws, x[i : i + 1])
+        np.testing.assert_allclose(batched[i], expected, rtol=1e-6, atol=1e-7)
+
+
+def test_shard_map_gradients_are_the_sums_of_per_device_ones():
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices (conftest asks for 8 CPU devices)")
+    config = CONFIGS["rowwise"]
+    dims = dimension_numbers("bld,df->blf")
+    x, w, _ = data("bld,df->blf", (8, 3, 8), (8, 5))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+
+    def local(w, x):
+        return jnp.sum(_fp8.dot_general(x, w, dims, config).astype(F32) ** 2)
+
+    def loss(w, x):
+        per_device = jax.shard_map(
+            lambda w, x: local(w, x)[None],
+            mesh=mesh,
+            in_specs=(P(), P("x")),
+            out_specs=P("x"),
+        )
+        return jnp.sum(per_device(w, x))
+
+    dw, dx = jax.jit(jax.grad(loss, (0, 1)))(w, x)
+    one = jax.jit(jax.grad(local, (0, 1)))
+    parts = [one(w, x[2 * i : 2 * i + 2]) for i in range(4)]
+    np.testing.assert_allclose(
+        dw, sum(p[0] for p in parts), rtol=1e-5, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        dx, jnp.concatenate([p[1] for p in parts]), rtol=1e-6
+    )
+
+
+def explicit_grads(config, out_spec=None):
+    """Gradients on a ("data", "model") mesh of explicit axes, the batch
+    over "data" and the weight's columns over "model" (and without a mesh),
+    the operands, and the forward result's type (its sharding asked for by
+    ``out_spec``, if given)."""
+    dims = dimension_numbers("bld,df->blf")
+    x, w, _ = data("bld,df->blf", (8, 3, 8), (8, 4))
+    mesh = explicit_mesh((4, 2), ("data", "model"))
+    types = []
+
+    def loss(x, w, out_sharding=None):
+        y = _fp8.dot_general(x, w, dims, config, out_sharding=out_sharding)
+        types.append(jax.typeof(y))
+        return jnp.sum(y.astype(F32) ** 2)
+
+    expected = jax.jit(jax.grad(loss, (0, 1)))(x, w)
+    with set_mesh(mesh):
+        xs = jax.device_put(x, jax.NamedSharding(mesh, P("data", None, None)))
+        ws = jax.device_put(w, jax.NamedSharding(mesh, P(None, "model")))
+        sharding = (
+            None if out_spec is None else jax.NamedSharding(mesh, out_spec)
+        )
+        grad = jax.grad(functools.partial(loss, out_sharding=sharding), (0, 1))
+        got = jax.jit(grad)(xs, ws)
+    return got, expected, (xs, ws), types[-1]
+
+
+@pytest.mark.parametrize("config", ["tensorwise", "rowwise_with_gw_hp"])
+def test_explicit_mesh_weight_gradient_over_a_sharded_batch(config):
+    # The weight's gradient contracts the batch axis, sharded over "data":
+    # under Explicit axes it needs the out_sharding JAX's transpose gives.
+    # Asked for a forward result not sharded over "model", the row-wise
+    # recipe must not let the weight's scales (sharded so) shard it.
+    out_spec = P("data", None, None)
+    got, expected, operands_, y_type = explicit_grads(CONFIGS[config], out_spec)
+    assert tuple(y_type.sharding.spec) == tuple(out_spec)
+    # The scales are the global ones (amax over the sharded axes too), so
+    # only the summation order differs; but rowwise_with_gw_hp's weight
+    # gradient is a bfloat16 matmul, whose partial sums (one per device)
+    # are rounded to bfloat16 before they are added.
+    hp = config == "rowwise_with_gw_hp"
+    for a, b, primal in zip(got, expected, operands_, strict=True):
+        assert _compat.spec(a) == _compat.spec(primal)
+        bf16_sums = hp and a.shape == (8, 4)
+        atol = 2.0**-6 * float(np.max(np.abs(b))) if bf16_sums else 1e-5
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=atol)
+
+
+def test_explicit_mesh_fails_without_the_out_sharding(monkeypatch):
+    # The negative control of the test above.
+    monkeypatch.setattr(_compat, "transpose_out_sharding", lambda x, axes: None)
+    with pytest.raises(Exception, match=r"(?i)contracting"):
+        explicit_grads(CONFIGS["tensorwise"])
+
+
+# --- configuration ------------------------------------------------------
+
+
+def test_config_defaults_validation_and_hashing():
+    assert _fp8.Float8() == _fp8.Float8("tensorwise", jnp.bfloat16)
+    assert _fp8.Float8().power_of_two_scales is False
+    assert _fp8.Float8("rowwise").power_of_two_scales is True
+    assert _fp8.Float8("rowwise_with_gw_hp").power_of_two_scales is True
+    assert _fp8.Float8(compute_dtype="float16").compute_dtype == np.float16
+    assert hash(_fp8.Float8("rowwise")) == hash(_fp8.Float8("rowwise"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        _fp8.Float8().recipe = "rowwise"  # type: ignore[misc]
+    with pytest.raises(ValueError, match=r"recipe=.delayed."):
+        _fp8.Float8("delayed")
+    with pytest.raises(TypeError, match=r"compute_dtype=.*float32"):
+        _fp8.Float8(compute_dtype=jnp.float32)
+    with pytest.raises(TypeError, match="compute_dtype='half_precision'"):
+        _fp8.Float8(compute_dtype="half_precision")
+    with pytest.raises(TypeError, match="power_of_two_scales=1"):
+        _fp8.Float8(power_of_two_scales=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        _fp8.Float8("rowwise", jnp.bfloat16, True)  # type: ignore[misc]
+    dims = dimension_numbers("ik,kj->ij")
+    with pytest.raises(TypeError, match="config must be"):
+        _fp8.dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), dims, "tensorwise")
+    with pytest.raises(TypeError, match="lhs must be a real floating"):
+        _fp8.dot_general(
+            jnp.ones((2, 2), int), jnp.ones((2, 2)), dims, _fp8.Float8()
+        )
+
+
+# --- the GPU check's counters ---------------------------------------------
+
+# Three custom calls as XLA:GPU prints them (operands shortened): two
+# float8 GEMMs, and a bfloat16 one whose target the float8 one extends.
+HLO = "\n".join(
+    [
+        "%cublas-lt-matmul.1 = (bf16[16,16]{1,0}, s8[33554432]{0}) "
+        "custom-call(f8e4m3fn[16,32]{1,0} %p0, f8e4m3fn[16,32]{1,0} %p1, "
+        'f32[] %c, f32[] %c), custom_call_target="__cublas$lt$matmul$f8", '
+        'backend_config={"operation_queue_id":"0"}',
+        "%cublas-lt-matmul.2 = (bf16[16,16]{1,0}, s8[4194304]{0}) "
+        "custom-call(bf16[16,32]{1,0} %p2, bf16[16,32]{1,0} %p3), "
+        'custom_call_target="__cublas$lt$matmul"',
+        "%cublas-lt-matmul.3 = (f32[16,16]{1,0}, s8[33554432]{0}) "
+        "custom-call(f8e5m2[16,32]{1,0} %p4, f8e4m3fn[16,32]{1,0} %p5, "
+        'f32[] %c, f32[] %c), custom_call_target="__cublas$lt$matmul$f8"',
+    ]
+)
+
+
+def test_gpu_check_counters():
+    assert fp8_check.count_fp8_gemms(HLO) == 2
+    lhs, rhs, _ = data("ik,kj->ij", (4, 8), (8, 4))
+    grad = jax.jit(jax.grad(dense_loss(CONFIGS["tensorwise"]), (0, 1)))
+    hlo = grad.lower(lhs[None], rhs).compile().as_text()
+    if jax.default_backend() == "cpu":
+        assert fp8_check.count_fp8_gemms(hlo) == 0
