@@ -11,7 +11,13 @@ from lossscale import _interop as _interop
 from lossscale._accumulation import MultiSteps
 from lossscale._autocast import FUNCTION_RULES as AUTOCAST_FUNCTION_RULES
 from lossscale._autocast import PRIMITIVE_RULES as AUTOCAST_RULES
-from lossscale._autocast import autocast, float32_scope
+from lossscale._autocast import (
+    Float8,
+    Matmul,
+    autocast,
+    float32_scope,
+    matmuls,
+)
 from lossscale._diagnose import Diagnosis, diagnose
 from lossscale._finite import all_finite
 from lossscale._grad import value_and_grad
@@ -54,8 +60,10 @@ __all__ = (
     "AUTOCAST_RULES",
     "Diagnosis",
     "DynamicLossScale",
+    "Float8",
     "LossScale",
     "LossScaledState",
+    "Matmul",
     "MultiSteps",
     "NoOpLossScale",
     "Policy",
@@ -73,6 +81,7 @@ __all__ = (
     "loss_scale_config",
     "loss_scaled",
     "loss_scaled_by_group",
+    "matmuls",
     "metrics",
     "nonfinite_paths",
     "rescale_gradient",

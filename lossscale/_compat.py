@@ -302,6 +302,29 @@ def name_stack(eqn: Any) -> str:
     return "" if info is None else str(info.name_stack)
 
 
+def source_line(eqn: Any) -> str:
+    """Where the user's code made an equation (``"file.py:12 (loss)"``)."""
+    info = getattr(eqn, "source_info", None)
+    if info is None:
+        return ""
+    try:
+        return str(source_info_util.summarize(info))
+    except Exception:  # pragma: no cover - a change of JAX's format
+        return ""
+
+
+def sub_jaxprs(eqn: Any) -> list[Any]:
+    """The open jaxprs in an equation's params (a higher-order one's)."""
+    found = []
+    for value in eqn.params.values():
+        for sub in value if isinstance(value, tuple) else (value,):
+            if hasattr(sub, "eqns"):
+                found.append(sub)
+            elif hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                found.append(sub.jaxpr)
+    return found
+
+
 def function_name(eqn: Any) -> str | None:
     """The name of the function an equation calls, if it calls one.
 

@@ -33,7 +33,9 @@ Where things are (each module imports only those listed before it):
   new higher-order primitive is one entry there**.
 - :mod:`._run`: one call (trace, plan, emit, write NNX state back);
   :mod:`._eager`: the wrapper, comparable, and its eager compilation;
-  :mod:`._api`: :func:`autocast` and :func:`float32_scope`.
+  :mod:`._api`: :func:`autocast` and :func:`float32_scope`;
+  :mod:`._report`: :func:`matmuls`, which lists each matmul's dtype.
+- :mod:`._fp8`: the float8 matmul (a leaf, used by :mod:`._emit`).
 
 Every JAX internal they read is in :mod:`lossscale._compat`.
 """
@@ -43,12 +45,17 @@ from lossscale._autocast._api import (
     check_compute_dtype,
     float32_scope,
 )
+from lossscale._autocast._fp8 import Float8
+from lossscale._autocast._report import Matmul, matmuls
 from lossscale._autocast._rules import FUNCTION_RULES, PRIMITIVE_RULES
 
 __all__ = [
     "FUNCTION_RULES",
     "PRIMITIVE_RULES",
+    "Float8",
+    "Matmul",
     "autocast",
     "check_compute_dtype",
     "float32_scope",
+    "matmuls",
 ]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale import _policy
-from lossscale._autocast import _eager, _higher, _infer
+from lossscale._autocast import _eager, _fp8, _higher, _infer
 from lossscale._autocast import _rules as R
 from lossscale._autocast._classes import F32_DTYPE
 from lossscale._autocast._config import Config, frozen_items
@@ -39,7 +39,11 @@ def autocast(
     - matmuls and convolutions (``dot_general``, ``conv_general_dilated``)
       run with ``compute_dtype`` operands and results, in the forward pass
       and in the backward pass that ``jax.grad`` derives from it, unless
-      they ask for ``precision=HIGHEST`` (or ``HIGH``);
+      they ask for ``precision=HIGHEST`` (or ``HIGH``), or for a result
+      wider than their operands (``preferred_element_type=jnp.float32`` on
+      operands the program made 16-bit, which keeps its float32 result);
+      with a :class:`lossscale.Float8` recipe, the linear layers' matmuls
+      run in float8 (see ``compute_dtype``);
     - exponentials and logarithms, powers, ``rsqrt``, sums and products
       (hence means, variances, norms), cumulative sums, ``log_softmax``,
       ``softmax`` and ``logsumexp`` run in float32, as do losses built on
@@ -73,15 +77,26 @@ def autocast(
     functions of ``jax.custom_jvp`` (whose rule is evaluated with the same
     rules); a ``custom_vjp`` function runs whole at the dtypes it was traced
     with. A loop's carry takes one dtype for every iteration, float32 if it
-    starts float32 (an accumulator); a ``while_loop`` whose condition reads
-    a float carry runs at its traced dtypes, so that it stops where
-    float32 stops.
+    starts float32 (an accumulator); a ``while_loop``'s stopping decision
+    (the carries it depends on, through the body at any remove, and the
+    operations computing them) runs at its traced dtypes, so that the loop
+    stops where float32 stops; its other carries are cast as everywhere.
 
-    Called eagerly (outside any trace), it is compiled once per argument
-    types, as a ``jax.jit`` of it would be: arrays are traced, and every
-    other leaf (a Python number, a string, a flag) is static, as in
-    equinox's ``filter_jit``. With NNX state or an unhashable leaf among
-    the arguments, it traces on every call.
+    Two calls of ``autocast`` with the same function and configuration
+    return equal functions (the same one, for a plain function or a
+    ``functools.partial``, while it lives), so ``jax.jit(autocast(loss))``
+    written inline compiles once, and plans are kept as long as the traced
+    program they were made for (a ``jax.jit``-ed block is re-traced and
+    compiled once, under ``jax.grad`` called eagerly too). Called eagerly
+    (outside any trace), it is compiled once per argument structure, as a
+    ``jax.jit`` of it would be: arrays are traced, and every other leaf (a
+    Python number, a string, a flag) is static, as in equinox's
+    ``filter_jit``, so that Python code may branch on it and a constant's
+    value decides its precision: a new value compiles again (a float is
+    keyed by its bits), the 64 most recently used are kept, and a
+    ``UserWarning`` says so once, after 5 values (pass a value that
+    changes every call as an array). With NNX state or an unhashable leaf
+    among the arguments, it traces on every call.
 
     Args:
         fun: the function to run, e.g. a loss ``loss_fn(params, batch)``.
@@ -90,19 +105,30 @@ def autocast(
             ``"p=f32,c=bf16,o=f32"``, jmp's grammar): compute in its
             ``compute_dtype``, with every floating output cast to its
             ``output_dtype``. Its ``param_dtype`` must be float32: autocast
-            takes parameters in the dtype they come in.
+            takes parameters in the dtype they come in. Keras's names
+            (``"mixed_float16"``, ``"mixed_bfloat16"``) compute in their
+            16-bit dtype and keep the outputs' dtypes, as Keras computes
+            losses in float32. Or a :class:`lossscale.Float8` recipe:
+            matmuls (``dot_general``) without batch dimensions whose sizes are
+            multiples of 16 (linear layers) run in float8 with current
+            scaling, forward and backward; everything else as with the
+            recipe's 16-bit ``compute_dtype``
+            (:func:`lossscale.matmuls` lists which went where).
         output_dtype: ``None`` (each output keeps the dtype ``fun`` gives
             it without autocast), or a float dtype to cast every floating
             output to.
         rules: overrides of the primitive rules, from a primitive's name
             (``"tanh"``, ``"dot_general"``, as ``jax.make_jaxpr`` prints
             them) to ``"compute"``, ``"float32"``, ``"promote"`` or
-            ``"original"`` (run at the traced dtypes).
+            ``"original"`` (run at the traced dtypes); with a
+            :class:`lossscale.Float8` recipe, ``{"dot_general": "compute"}``
+            keeps every matmul 16-bit, and ``"float8"`` is its default.
             :data:`lossscale.AUTOCAST_RULES` lists the defaults.
         function_rules: overrides of the function rules, from the name of a
             ``jax.jit``-ed, ``custom_jvp`` or ``custom_vjp`` function to
-            ``"float32"`` (it runs whole at its traced dtypes) or
-            ``"autocast"`` (it is evaluated with the rules).
+            ``"float32"`` (it runs whole at its traced dtypes),
+            ``"autocast"`` (it is evaluated with the rules) or ``"compute"``
+            (evaluated with the rules, its matmuls 16-bit, none float8).
             :data:`lossscale.AUTOCAST_FUNCTION_RULES` lists the defaults;
             :func:`float32_scope` keeps any region in float32. A key of
             either mapping that no equation of the traced program matches
@@ -112,10 +138,13 @@ def autocast(
         A function with ``fun``'s signature.
 
     Raises:
-        TypeError: if ``fun`` is not callable, ``compute_dtype`` is not a
-            16-bit float type, or ``rules`` is malformed.
+        TypeError: if ``fun`` is not callable (or is a dtype: the arguments
+            swapped), ``compute_dtype`` is not a 16-bit float type, a
+            policy or a float8 recipe, or ``rules`` is malformed.
         ValueError: if a rule is unknown, a function's name is given as a
-            primitive's, or a policy's ``param_dtype`` is not float32.
+            primitive's, ``"float8"`` is given without a float8 recipe or
+            to another primitive than ``dot_general``, or a policy's
+            ``param_dtype`` is not float32.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -179,11 +208,15 @@ def autocast(
             )
         output_dtype = compute_dtype.output_dtype
         compute_dtype = compute_dtype.compute_dtype
-    rules_items, function_items = _tables(rules, function_rules)
+    float8 = None
+    if isinstance(compute_dtype, _fp8.Float8):
+        float8, compute_dtype = compute_dtype, compute_dtype.compute_dtype
+    rules_items, function_items = _tables(rules, function_rules, float8)
     config = Config(
         compute=check_compute_dtype(compute_dtype),
         rules=rules_items,
         function_rules=function_items,
+        float8=float8,
     )
     out_dtype = None if output_dtype is None else _float_dtype(output_dtype)
     return cast(F, _eager.wrap(fun, config, out_dtype))
@@ -259,12 +292,29 @@ def _check_table(
 
 
 def _tables(
-    rules: Mapping[str, str] | None, function_rules: Mapping[str, str] | None
+    rules: Mapping[str, str] | None,
+    function_rules: Mapping[str, str] | None,
+    float8: Any,
 ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     primitive = _check_table("rules", rules, R.RULES_ACCEPTED)
     function = _check_table(
         "function_rules", function_rules, R.FUNCTION_RULES_ACCEPTED
     )
+    for key, rule in primitive.items():
+        if rule != "float8":
+            continue
+        record = R.RECORDS.get(key)
+        if record is None or not record.float8:
+            able = sorted(n for n, r in R.RECORDS.items() if r.float8)
+            raise ValueError(
+                f"rules[{key!r}]: only {', '.join(able)} can run in float8, "
+                f"got rules[{key!r}]='float8'."
+            )
+        if float8 is None:
+            raise ValueError(
+                f"rules[{key!r}]='float8' needs a float8 recipe: "
+                "compute_dtype=lossscale.Float8(...)."
+            )
     for key in primitive:
         if key in R.FUNCTION_RULES or key in _higher.HANDLED:
             raise ValueError(

@@ -72,7 +72,19 @@ class Config:
             hit = by_primitive.get(primitive) or by_name.get(primitive.name)
             if hit is not None:
                 return hit
-        return R.TABLE.get(primitive), None
+        record = R.TABLE.get(primitive)
+        if self.float8 is not None and record is not None and record.float8:
+            return R.in_float8(record), None
+        return record, None
+
+    @functools.cached_property
+    def sixteen_bit(self) -> Config:
+        """This configuration without float8 (a function whose rule is
+        ``"compute"``): its matmuls in the 16-bit compute dtype."""
+        if self.float8 is None:
+            return self
+        rules = tuple((n, r) for n, r in self.rules if r != "float8")
+        return dataclasses.replace(self, rules=rules, float8=None)
 
     @functools.cached_property
     def _function_rules(self) -> dict[str, R.FunctionRule]:

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from lossscale import _compat, _interpret
-from lossscale._autocast import _islands
+from lossscale._autocast import _fp8, _islands
 from lossscale._autocast._cast import cast, cast_cache, store
 from lossscale._autocast._classes import F32_DTYPE, Cls, class_dtype, is_float
 from lossscale._autocast._config import Call
@@ -86,6 +86,8 @@ def equation(call: Call, eqn: Any, node: Node, invals: list[Any]) -> list[Any]:
         return store(outs, node.outs, compute)
     if node.mode is Mode.CONVERT:
         return _compat.bind_equation(eqn, invals)
+    if node.mode is Mode.FLOAT8:
+        return store(_float8(call, eqn, invals), node.outs, compute)
     dtype = {Mode.COMPUTE: compute, Mode.FLOAT32: F32_DTYPE}.get(node.mode)
     if node.remat:
         # The backward pass of x ** 3 (or exp x) would keep a float32
@@ -106,6 +108,22 @@ def equation(call: Call, eqn: Any, node: Node, invals: list[Any]) -> list[Any]:
                 )
             )
     return store(bind(eqn, node, invals, dtype), node.outs, compute)
+
+
+def _float8(call: Call, eqn: Any, invals: list[Any]) -> list[Any]:
+    """A matmul in float8: its operands are quantised from the dtypes they
+    are stored in (a float32 weight directly, not through 16 bits)."""
+    lhs, rhs = invals
+    with _compat.equation_context(eqn):
+        return [
+            _fp8.dot_general(
+                lhs,
+                rhs,
+                eqn.params["dimension_numbers"],
+                call.config.float8,
+                out_sharding=eqn.params.get("out_sharding"),
+            )
+        ]
 
 
 def bind(eqn: Any, node: Node, invals: Sequence[Any], dtype: Any) -> list[Any]:

@@ -121,10 +121,15 @@ class Float8:
     Args:
       recipe: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"``.
       compute_dtype: the dtype of the forward result (``jnp.bfloat16`` or
-        ``jnp.float16``, or their names).
+        ``jnp.float16``, or their names); under :func:`lossscale.autocast`,
+        the 16-bit dtype of everything that is not a float8 matmul.
       power_of_two_scales: round every scale down to a power of two (so
         that scaling is exact). By default, as torchao's recipe: ``False``
         for ``"tensorwise"``, ``True`` for the row-wise ones.
+      batched: under :func:`lossscale.autocast`, run matmuls with batch
+        dimensions (attention's) in float8 too (default ``False``).
+      multiple: under :func:`lossscale.autocast`, run in float8 only the
+        matmuls whose M, N and K are multiples of this (default 16).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -148,6 +153,8 @@ class Float8:
     power_of_two_scales: bool | None = dataclasses.field(
         default=None, kw_only=True
     )
+    batched: bool = dataclasses.field(default=False, kw_only=True)
+    multiple: int = dataclasses.field(default=16, kw_only=True)
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
@@ -166,6 +173,52 @@ class Float8:
                 f"recipe's default), got power_of_two_scales={pow2!r}."
             )
         object.__setattr__(self, "power_of_two_scales", bool(pow2))
+        if not isinstance(self.batched, bool | np.bool_):
+            raise TypeError(
+                f"batched must be a bool, got batched={self.batched!r}."
+            )
+        object.__setattr__(self, "batched", bool(self.batched))
+        if (
+            isinstance(self.multiple, bool)
+            or not isinstance(self.multiple, int | np.integer)
+            or self.multiple < 1
+        ):
+            raise ValueError(
+                "multiple must be a positive int, got "
+                f"multiple={self.multiple!r}."
+            )
+        object.__setattr__(self, "multiple", int(self.multiple))
+
+    def ineligible(self, lhs: Any, rhs: Any, dims: Any) -> str | None:
+        """Why a matmul of these operand shapes and dimension numbers
+        does not run in float8 by default (``None``: it does).
+
+        A matmul with batch dimensions (attention's scores and their
+        product with the values) stays in the 16-bit compute dtype unless
+        ``batched``, as TransformerEngine keeps attention out of float8;
+        one whose rows (M), columns (N) or contraction (K) are not
+        multiples of ``multiple`` too, as torchao skips such linear
+        layers (cuBLASLt pads them, which costs what float8 saves).
+        """
+        (lc, rc), (lb, rb) = dims
+        if (lb or rb) and not self.batched:
+            return "batch dimensions (attention)"
+        m = _size(lhs, (*lc, *lb))
+        n = _size(rhs, (*rc, *rb))
+        k = int(np.prod([lhs[d] for d in lc], dtype=np.int64))
+        if any(size % self.multiple for size in (m, n, k)):
+            return f"M={m}, N={n}, K={k} not all multiples of {self.multiple}"
+        return None
+
+
+def _size(shape: Sequence[int], removed: Sequence[int]) -> int:
+    """The product of ``shape``'s sizes but those at ``removed``."""
+    gone = set(removed)
+    return int(
+        np.prod(
+            [n for d, n in enumerate(shape) if d not in gone], dtype=np.int64
+        )
+    )
 
 
 def _check_compute_dtype(dtype: Any) -> np.dtype:

@@ -73,10 +73,16 @@ class Mode(enum.Enum):
     """How an equation's float operands are cast before it is bound."""
 
     COMPUTE = "compute"  # to the compute dtype
+    FLOAT8 = "float8"  # a matmul: quantised to float8 (._fp8)
     FLOAT32 = "float32"  # to float32
     TRACED = "traced"  # to the dtypes it was traced with
     CONVERT = "convert"  # an explicit cast of the program: kept
     HIGHER = "higher"  # a handler of ._higher emits it from ``data``
+
+
+# The modes in which a matmul rounds its operands (to the compute dtype,
+# or to float8 from whatever dtype they have).
+_ROUNDING = frozenset({Mode.COMPUTE, Mode.FLOAT8})
 
 
 class Node(NamedTuple):
@@ -85,6 +91,8 @@ class Node(NamedTuple):
     ``outs``: the classes of its results, which the emitted values are
     stored in. ``reads32``: per operand, whether the equation reads it in
     float32. ``remat``: its derivative is recomputed from its operands.
+    ``data``: a higher-order equation's plans (:mod:`._higher`); for a
+    matmul kept out of float8, why.
     """
 
     mode: Mode
@@ -150,7 +158,8 @@ def in_float32_scope(eqn: Any) -> bool:
     return _SCOPE_RE.search(_compat.name_stack(eqn)) is not None
 
 
-def _eqn_facts(eqn: Any) -> EqnFacts:
+def eqn_facts(eqn: Any) -> EqnFacts:
+    """What an equation is, whatever the classes."""
     record = R.TABLE.get(eqn.primitive)
     return EqnFacts(
         scoped=in_float32_scope(eqn),
@@ -176,7 +185,7 @@ class JaxprFacts:
         for j, atom in enumerate(jaxpr.outvars):
             if _compat.is_var(atom):
                 self.outputs.setdefault(atom, []).append(j)
-        self.of: dict[Any, EqnFacts] = {e: _eqn_facts(e) for e in self.eqns}
+        self.of: dict[Any, EqnFacts] = {e: eqn_facts(e) for e in self.eqns}
         self.functions = frozenset(
             f.function for f in self.of.values() if f.function is not None
         )
@@ -339,7 +348,7 @@ def _plan(
             for eqn, _ in readers.get(var, ()):
                 node = nodes[eqn]
                 ef = jf.of[eqn]
-                if node.mode is Mode.COMPUTE and ef.matmul:
+                if node.mode in _ROUNDING and ef.matmul:
                     found = True
                     continue
                 exact = (ef.moves and node.mode is not Mode.CONVERT) or (
@@ -598,6 +607,7 @@ class KindArgs(NamedTuple):
     demanded: list[bool]
     unrounded: list[bool]
     compute: np.dtype
+    float8: Any
 
     def result(
         self, mode: Mode, cls: Cls, remat: bool = False
@@ -612,21 +622,47 @@ def _matmul(a: KindArgs) -> tuple[Node, list[Info]]:
     if _compat.explicit_precision(eqn):
         # precision=HIGHEST (or HIGH) asks for float32 products.
         return traced(eqn, a.infos, a.compute)
-    wanted = eqn.params.get("preferred_element_type")
-    if wanted is not None and is_float(wanted):
-        widths = [
-            np.dtype(v.aval.dtype).itemsize
-            for v in eqn.invars
-            if is_float(v.aval.dtype)
-        ]
-        if widths and np.dtype(wanted).itemsize > max(widths):
-            # The program asked for a result wider than its operands
-            # (16-bit attention scores accumulated to float32): kept.
-            out = of_dtype(wanted, a.compute)
-            if out != Cls.F32:
-                return traced(eqn, a.infos, a.compute)
-            return a.result(Mode.COMPUTE, Cls.F32)
+    if _wide_result(eqn):
+        # The program asked for a result wider than its operands (16-bit
+        # attention scores accumulated to float32): kept.
+        out = of_dtype(eqn.params["preferred_element_type"], a.compute)
+        if out != Cls.F32:
+            return traced(eqn, a.infos, a.compute)
+        return a.result(Mode.COMPUTE, Cls.F32)
     return a.result(Mode.COMPUTE, Cls.LOW)
+
+
+def _wide_result(eqn: Any) -> bool:
+    """A matmul whose traced ``preferred_element_type`` is wider than its
+    float operands."""
+    wanted = eqn.params.get("preferred_element_type")
+    if wanted is None or not is_float(wanted):
+        return False
+    widths = [
+        np.dtype(v.aval.dtype).itemsize
+        for v in eqn.invars
+        if is_float(v.aval.dtype)
+    ]
+    return bool(widths) and np.dtype(wanted).itemsize > max(widths)
+
+
+def float8_ineligible(eqn: Any, float8: Any) -> str | None:
+    """Why a ``dot_general`` of the float8 kind runs in the 16-bit
+    compute dtype instead (``None``: it runs in float8)."""
+    if _compat.explicit_precision(eqn):
+        return "precision above DEFAULT"
+    if _wide_result(eqn):
+        return "a preferred_element_type wider than its operands"
+    lhs, rhs = (v.aval.shape for v in eqn.invars)
+    return float8.ineligible(lhs, rhs, eqn.params["dimension_numbers"])
+
+
+def _float8(a: KindArgs) -> tuple[Node, list[Info]]:
+    reason = float8_ineligible(a.eqn, a.float8)
+    if reason is not None:
+        node, outs = _matmul(a)
+        return node._replace(data=reason), outs
+    return a.result(Mode.FLOAT8, Cls.LOW)
 
 
 def _bounded(a: KindArgs) -> tuple[Node, list[Info]]:
@@ -667,6 +703,7 @@ def _promote(a: KindArgs) -> tuple[Node, list[Info]]:
 
 KINDS: dict[R.Kind, Callable[[KindArgs], tuple[Node, list[Info]]]] = {
     R.Kind.MATMUL: _matmul,
+    R.Kind.FLOAT8: _float8,
     R.Kind.BOUNDED: _bounded,
     R.Kind.FLOAT32: _float32,
     R.Kind.PROMOTE: _promote,
@@ -696,6 +733,8 @@ def _forward(
             planning.used.add(("function", ef.function))
         if rule in ("float32", "original") or higher is None:
             return traced(eqn, infos, compute)  # custom_vjp: run whole
+        if rule == "compute":
+            config = config.sixteen_bit
         node = higher.infer(config, eqn, infos, only32, demanded)
         return node, [Info(c) for c in node.outs]
     if any(
@@ -743,6 +782,7 @@ def _forward(
         demanded,
         unrounded,
         compute,
+        config.float8,
     )
     return KINDS[record.kind](args)
 

@@ -16,6 +16,11 @@ The kinds (:class:`Kind`), and the public rule each one is
   result too, as in every AMP, unless the program asked for a wider
   result (``preferred_element_type=float32`` over 16-bit operands) or for
   ``precision=HIGHEST``.
+- ``FLOAT8`` (``"float8"``): under a :class:`lossscale.Float8`
+  configuration, a matmul of its ``float8`` fact (``dot_general``) runs in
+  float8 where :meth:`lossscale.Float8.ineligible` allows (no batch
+  dimensions, sizes multiples of 16), else as ``MATMUL``: its default
+  there, and a rule a user may give it.
 - ``BOUNDED`` (``"compute"``): tanh, logistic, erf, sin, cos: their result
   lies in [-1, 1] whatever the operand, so it is computed in float32 from
   a float32 operand and rounded to the compute dtype only where no float32
@@ -38,16 +43,18 @@ negates values: exact, so it commutes with rounding, and a constant keeps
 its range through it), ``pooling`` (max or min pooling, whose backward
 pass keeps its operand), ``collective``, ``remat`` (its derivative is
 recomputed from its 16-bit operand, not stored in float32),
-``foldable`` (autocast may compute it at trace time on small constants)
-and ``island`` (it may be recomputed inside a float32 island:
-:mod:`._islands`).
+``foldable`` (autocast may compute it at trace time on small constants),
+``island`` (it may be recomputed inside a float32 island:
+:mod:`._islands`) and ``float8`` (it may run in float8).
 
 Function rules (:data:`FUNCTION_RULES`, public as
 :data:`lossscale.AUTOCAST_FUNCTION_RULES`), from the name of a
 ``jax.jit``-ed, ``custom_jvp`` or ``custom_vjp`` function to
 ``"float32"`` (the whole function runs at the dtypes it was traced with,
-its derivative rule included) or ``"autocast"`` (it is evaluated with the
-rules, which is what every function without an entry gets).
+its derivative rule included), ``"autocast"`` (it is evaluated with the
+rules, which is what every function without an entry gets) or
+``"compute"`` (evaluated with the rules, its matmuls in the 16-bit
+compute dtype, none in float8).
 """
 
 from __future__ import annotations
@@ -60,13 +67,20 @@ from typing import Any, Literal
 
 from lossscale import _compat
 
-Rule = Literal["compute", "float32", "promote", "original"]
-FunctionRule = Literal["float32", "original", "autocast"]
-RULES_ACCEPTED: tuple[Rule, ...] = ("compute", "float32", "promote", "original")
+Rule = Literal["compute", "float8", "float32", "promote", "original"]
+FunctionRule = Literal["float32", "original", "autocast", "compute"]
+RULES_ACCEPTED: tuple[Rule, ...] = (
+    "compute",
+    "float8",
+    "float32",
+    "promote",
+    "original",
+)
 FUNCTION_RULES_ACCEPTED: tuple[FunctionRule, ...] = (
     "float32",
     "original",
     "autocast",
+    "compute",
 )
 
 
@@ -74,6 +88,7 @@ class Kind(enum.Enum):
     """What a primitive does to precision (see the module docstring)."""
 
     MATMUL = "compute"
+    FLOAT8 = "float8"
     BOUNDED = "bounded"
     FLOAT32 = "float32"
     PROMOTE = "promote"
@@ -95,6 +110,7 @@ class Record:
     remat: bool = False
     foldable: bool = True
     island: bool = True
+    float8: bool = False
 
 
 M, B, F, P = Kind.MATMUL, Kind.BOUNDED, Kind.FLOAT32, Kind.PROMOTE
@@ -106,7 +122,7 @@ _COLLECTIVE = {"collective": True, "foldable": False}
 # skipped where absent (tests/test_autocast_primitives.py lists them).
 _SPEC: tuple[tuple[str, Kind, dict[str, bool]], ...] = (
     # Matmuls and convolutions.
-    ("dot_general", M, {"foldable": False}),
+    ("dot_general", M, {"foldable": False, "float8": True}),
     ("conv_general_dilated", M, {"foldable": False}),
     ("ragged_dot_general", M, {"foldable": False}),
     # Bounded results: rounding them cannot overflow, and it halves what
@@ -284,11 +300,25 @@ _KIND_OF_RULE: Mapping[str, Kind] = {
 }
 
 
+def in_float8(record: Record) -> Record:
+    """A record of the ``float8`` fact, as a float8 configuration has it."""
+    return _FLOAT8_VARIANTS.setdefault(
+        record, dataclasses.replace(record, kind=Kind.FLOAT8)
+    )
+
+
+_FLOAT8_VARIANTS: dict[Record, Record] = {}
+
+
 def overridden(record: Record | None, rule: Rule) -> Record | None:
     """``record`` with its kind replaced by a user's ``rule`` (``None``:
     the primitive runs at its traced dtypes)."""
     if rule == "original":
         return None
+    if rule == "float8":
+        if record is None or not record.float8:
+            raise ValueError("only dot_general runs in float8")
+        return in_float8(record)
     if rule == "compute":
         kind = (
             Kind.MATMUL

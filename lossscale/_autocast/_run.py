@@ -52,14 +52,26 @@ def input_class(x: Any, compute: np.dtype) -> Cls:
     return Cls.KEEP
 
 
-def call(
+class Traced(NamedTuple):
+    """A function traced and planned, not yet evaluated."""
+
+    closed: Any  # the closed jaxpr of ``flat``
+    plan: Any
+    arrays: list[Any]  # its operands
+    out_shape: Any
+    holders: list[Any]  # NNX Variables among the leaves, where written
+    dynamic: list[int]
+    changed: list[int]
+
+
+def trace(
     config: Config,
     out_dtype: np.dtype | None,
     fun: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-) -> Result:
-    """``fun(*args, **kwargs)`` under autocast."""
+) -> Traced:
+    """``fun`` traced at its arguments' dtypes, and planned."""
     leaves, treedef = jax.tree.flatten((args, kwargs))
     dynamic = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
     # State that fun updates in place (flax NNX's Variables: BatchNorm's
@@ -110,14 +122,29 @@ def call(
         [wide] * n,
         [wide] * n,
     )
+    return Traced(
+        closed, plan, arrays, out_shape, holders, dynamic, record["changed"]
+    )
+
+
+def call(
+    config: Config,
+    out_dtype: np.dtype | None,
+    fun: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Result:
+    """``fun(*args, **kwargs)`` under autocast."""
+    t = trace(config, out_dtype, fun, args, kwargs)
+    jaxpr = t.closed.jaxpr
     outs = _emit.emit(
         Call(config),
         jaxpr,
-        plan,
-        store(closed.consts, plan.consts, config.compute),
-        arrays,
+        t.plan,
+        store(t.closed.consts, t.plan.consts, config.compute),
+        t.arrays,
     )
-    n_out = len(jax.tree.leaves(out_shape))
+    n_out = len(jax.tree.leaves(t.out_shape))
     results = []
     for x, atom in zip(outs[:n_out], jaxpr.outvars, strict=False):
         # Through dtype_of: jax 0.12 types an outvar's aval as the
@@ -130,12 +157,12 @@ def call(
             # and float subclasses): an array, as jax.jit returns it.
             x = jnp.asarray(x)
         results.append(cast_to(x, dtype))
-    for j, x in zip(record["changed"], outs[n_out:], strict=True):
+    for j, x in zip(t.changed, outs[n_out:], strict=True):
         _interop.set_variable(
-            holders[dynamic[j]], cast_to(x, dtype_of(arrays[j]))
+            t.holders[t.dynamic[j]], cast_to(x, dtype_of(t.arrays[j]))
         )
-    value = jax.tree.unflatten(jax.tree.structure(out_shape), results)
-    return Result(value, plan.used, plan.functions)
+    value = jax.tree.unflatten(jax.tree.structure(t.out_shape), results)
+    return Result(value, t.plan.used, t.plan.functions)
 
 
 def _closed_over_state(fun: Callable[..., Any]) -> Exception:

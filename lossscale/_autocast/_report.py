@@ -1,0 +1,164 @@
+"""Which matmuls an autocast function runs in which dtype, and why."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from lossscale import _compat
+from lossscale._autocast import _eager, _infer, _run
+from lossscale._autocast._classes import Cls
+
+
+class Matmul(NamedTuple):
+    """One matmul of an autocast function's traced program (forward).
+
+    Attributes:
+        primitive: ``"dot_general"`` or ``"conv_general_dilated"``, ...
+        shapes: the shapes of its two operands.
+        dtype: the dtype its operands are cast to: ``"float8_e4m3fn"``,
+            the 16-bit compute dtype, or ``"float32"`` (at the dtypes the
+            program traced).
+        why: why that dtype, in words.
+        where: the named scopes (and jitted functions) it was traced in.
+        line: the line of the user's code that made it (``file:line``).
+    """
+
+    primitive: str
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: str
+    why: str
+    where: str
+    line: str
+
+
+def matmuls(fun: Any, *args: Any, **kwargs: Any) -> list[Matmul]:
+    """The matmuls of an autocast function called on these arguments.
+
+    Traces ``fun`` (nothing runs) and lists, in program order, every
+    matmul and convolution of the forward pass with the dtype autocast
+    runs it in and why: with a :class:`lossscale.Float8` recipe, which ones
+    go float8 and which stay 16-bit (attention's batched matmuls, sizes
+    that are not multiples of 16, a rule, ``float32_scope``). The backward
+    pass of each runs in the same format (float8: an ``e5m2`` gradient by
+    an ``e4m3`` operand). A matmul inside a loop or a function called
+    several times is listed once per place in the program.
+
+    Args:
+        fun: a function returned by :func:`lossscale.autocast`.
+        *args: its positional arguments.
+        **kwargs: its keyword arguments.
+
+    Returns:
+        A list of :class:`Matmul`.
+
+    Raises:
+        TypeError: if ``fun`` is not an autocast function.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import lossscale
+        >>> def loss(w, x):
+        ...     return jnp.mean(x @ w)
+        >>> f = lossscale.autocast(loss, lossscale.Float8())
+        >>> [(m.dtype, m.why) for m in lossscale.matmuls(
+        ...     f, jnp.ones((32, 16)), jnp.ones((64, 32)))]
+        [('float8_e4m3fn', 'float8')]
+        >>> [(m.dtype, m.why) for m in lossscale.matmuls(
+        ...     f, jnp.ones((30, 16)), jnp.ones((64, 30)))]
+        [('bfloat16', 'M=64, N=16, K=30 not all multiples of 16')]
+    """
+    if not isinstance(fun, _eager.Autocast):
+        raise TypeError(
+            "fun must be a function returned by lossscale.autocast, got "
+            f"fun={fun!r}."
+        )
+    traced = _run.trace(
+        fun._config, fun._out_dtype, fun.__wrapped__, args, kwargs
+    )
+    return list(_walk(traced.plan, fun._config))
+
+
+def _walk(plan: Any, config: Any) -> Iterator[Matmul]:
+    for eqn, node in plan.nodes.items():
+        if node.mode is _infer.Mode.HIGHER:
+            for sub in node.data.plans:
+                yield from _walk(sub, _sub_config(config, eqn))
+        elif node.mode is _infer.Mode.TRACED and _compat.sub_jaxprs(eqn):
+            yield from _as_traced(eqn, _why_traced(eqn, config))
+        elif _infer.eqn_facts(eqn).matmul:
+            yield _matmul(
+                eqn, _dtype(eqn, node, config), _why(eqn, node, config)
+            )
+
+
+def _as_traced(eqn: Any, why: str) -> Iterator[Matmul]:
+    """The matmuls of a higher-order equation run at its traced dtypes."""
+    for sub in _compat.sub_jaxprs(eqn):
+        for inner in sub.eqns:
+            if _compat.sub_jaxprs(inner):
+                yield from _as_traced(inner, why)
+            elif _infer.eqn_facts(inner).matmul:
+                dtype = str(np.dtype(inner.invars[0].aval.dtype))
+                yield _matmul(inner, dtype, why)
+
+
+def _matmul(eqn: Any, dtype: str, why: str) -> Matmul:
+    return Matmul(
+        eqn.primitive.name,
+        tuple(tuple(v.aval.shape) for v in eqn.invars),
+        dtype,
+        why,
+        _compat.name_stack(eqn),
+        _compat.source_line(eqn),
+    )
+
+
+def _sub_config(config: Any, eqn: Any) -> Any:
+    name = _compat.function_name(eqn)
+    if name is not None and config.function_rule(name) == "compute":
+        return config.sixteen_bit
+    return config
+
+
+def _dtype(eqn: Any, node: Any, config: Any) -> str:
+    if node.mode is _infer.Mode.FLOAT8:
+        return "float8_e4m3fn"
+    if node.mode is _infer.Mode.COMPUTE:
+        return str(np.dtype(config.compute))
+    return str(np.dtype(eqn.invars[0].aval.dtype))
+
+
+def _why_traced(eqn: Any, config: Any) -> str:
+    if _infer.eqn_facts(eqn).scoped:
+        return "float32_scope"
+    name = _compat.function_name(eqn)
+    rule = None if name is None else config.function_rule(name)
+    if rule is not None:
+        return f"function_rules[{name!r}]: {rule!r}"
+    return "at its traced dtypes"
+
+
+def _why(eqn: Any, node: Any, config: Any) -> str:
+    if node.mode is _infer.Mode.FLOAT8:
+        return "float8"
+    if isinstance(node.data, str):
+        return node.data  # a float8 matmul that could not be
+    if node.mode is _infer.Mode.TRACED:
+        if _infer.eqn_facts(eqn).scoped:
+            return "float32_scope"
+        if _compat.explicit_precision(eqn):
+            return "precision above DEFAULT"
+        return "at its traced dtypes"
+    record, override = config.record(eqn.primitive)
+    if override is not None:
+        return f"rules[{override!r}]: {dict(config.rules)[override]!r}"
+    if node.outs and node.outs[0] == Cls.F32:
+        return "a preferred_element_type wider than its operands"
+    if config.float8 is None:
+        return "the compute dtype"
+    if record is not None and not record.float8:
+        return f"{eqn.primitive.name} does not run in float8"
+    return "function_rules: 'compute'"
