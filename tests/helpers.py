@@ -1,5 +1,7 @@
 """Helpers shared by the tests."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ from lossscale._compat import enable_x64, explicit_mesh, set_mesh
 
 __all__ = [
     "assert_trees_bitwise_equal",
+    "count_compiles",
     "data_model_mesh",
     "enable_x64",
     "equations",
@@ -92,3 +95,38 @@ def sharded_sum(body):
         return jnp.sum(sharded(w, x))
 
     return loss
+
+
+_COMPILE = "/jax/core/compile/backend_compile_duration"
+_TRACE = "/jax/core/compile/jaxpr_trace_duration"
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """JAX's own statistics of the block: ``{"compiles": n, "traces": m}``,
+    the XLA compilations and the jaxpr traces JAX made (its caches'
+    misses), counted from its monitoring events."""
+    counts = {"compiles": 0, "traces": 0}
+
+    def listener(event, *args, **kwargs):
+        if event == _COMPILE:
+            counts["compiles"] += 1
+        elif event == _TRACE:
+            counts["traces"] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield counts
+    finally:
+        from jax._src import monitoring  # no public way out before 0.8
+
+        remove = getattr(
+            monitoring,
+            "unregister_event_duration_listener",
+            getattr(
+                monitoring,
+                "_unregister_event_duration_listener_by_callback",
+                None,
+            ),
+        )
+        remove(listener)

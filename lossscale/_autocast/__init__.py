@@ -18,24 +18,26 @@ passes over that jaxpr:
    work on 16-bit activations are recomputed in the backward pass, not
    stored (:mod:`._islands`).
 
-Where things are (each module imports only those listed before it):
+Where things are, from the ground up (each module imports only modules
+listed before it; ``tests/test_autocast_table.py`` checks it):
 
-- :mod:`._classes`: the precision classes; :mod:`._cast`: casting values
-  to them; :mod:`._rules`: **the rule table, one record per primitive:
-  adding a rule for a new primitive is one line there**;
-  :mod:`._config`: the configuration and the caches.
-- :mod:`._islands`, :mod:`._infer` (its table :data:`._infer.KINDS`, one
-  rule per kind, and :data:`._infer.HIGHER`), :mod:`._emit` (its table
-  :data:`._emit.HIGHER`).
-- :mod:`._higher`: the handlers of higher-order primitives (``jit``,
-  ``scan``, ``while``, ``cond``, ``checkpoint``, ``custom_jvp_call``,
-  ``shard_map``), registered into both passes' tables: **a handler for a
-  new higher-order primitive is one entry there**.
-- :mod:`._run`: one call (trace, plan, emit, write NNX state back);
-  :mod:`._eager`: the wrapper, comparable, and its eager compilation;
-  :mod:`._api`: :func:`autocast` and :func:`float32_scope`;
-  :mod:`._report`: :func:`matmuls`, which lists each matmul's dtype.
-- :mod:`._fp8`: the float8 matmul (a leaf, used by :mod:`._emit`).
+1. :mod:`._classes`: the precision classes; :mod:`._rules`: **the rule
+   table, one record per primitive: adding a rule for a new primitive is
+   one line there**; :mod:`._fp8`: the float8 matmul.
+2. :mod:`._cast`: casting values to their classes; :mod:`._config`: the
+   configuration and the caches.
+3. :mod:`._islands`: float32 islands.
+4. :mod:`._infer`: the first pass, with its tables (:data:`._infer.KINDS`,
+   one rule per kind, and :data:`._infer.HIGHER`).
+5. :mod:`._emit`: the second pass, with its table (:data:`._emit.HIGHER`).
+6. :mod:`._higher`: the handlers of higher-order primitives (``jit``,
+   ``scan``, ``while``, ``cond``, ``checkpoint``, ``custom_jvp_call``,
+   ``shard_map``), registered into both passes' tables: **a handler for a
+   new higher-order primitive is one entry there**.
+7. :mod:`._run`: one call (trace, plan, emit, write NNX state back).
+8. :mod:`._eager`: the wrapper, comparable, and its eager compilation.
+9. :mod:`._api`: :func:`autocast` and :func:`float32_scope`;
+   :mod:`._report`: :func:`matmuls`, which lists each matmul's dtype.
 
 Every JAX internal they read is in :mod:`lossscale._compat`.
 """

@@ -58,9 +58,23 @@ class _Data(NamedTuple):
     extra: Any = None
 
 
+_CONSTS = JaxprCache()
+
+
+def closed_consts(config: Config, closed: Any) -> list[Info]:
+    """What is known of a closed jaxpr's constants (read once while its
+    jaxpr lives: their values are the operands of the constants folded
+    from them)."""
+    return _CONSTS.get(
+        closed.jaxpr,
+        ("consts", config.compute),
+        lambda: const_infos(config, closed.consts),
+    )
+
+
 def const_infos(config: Config, consts: Sequence[Any]) -> list[Info]:
-    """A closed jaxpr's constants: classed by their values where they are
-    known and small enough to read."""
+    """Constants classed by their values where they are known and small
+    enough to read."""
     infos = []
     for c in consts:
         dtype = dtype_of(c)
@@ -152,7 +166,7 @@ def _closed_plan(
     return _infer.infer(
         config,
         closed.jaxpr,
-        const_infos(config, closed.consts),
+        closed_consts(config, closed),
         [i.cls for i in ins],
         only32,
         demanded,
@@ -214,7 +228,7 @@ def _scan_infer(
     n_consts, n_carry = _compat.scan_counts(p)
     consts = [i.cls for i in ins[:n_consts]]
     xs = [i.cls for i in ins[n_consts + n_carry :]]
-    jconsts = const_infos(config, closed.consts)
+    jconsts = closed_consts(config, closed)
 
     def body(carry: list[Cls]) -> tuple[Plan, Sequence[Cls]]:
         f32 = [c == Cls.F32 for c in carry]
@@ -354,7 +368,7 @@ def _while_infer(
         plan = _infer.infer(
             config,
             body_closed.jaxpr,
-            const_infos(config, body_closed.consts),
+            closed_consts(config, body_closed),
             [*bconsts, *carry],
             f32,
             f32,
@@ -366,7 +380,7 @@ def _while_infer(
     cond_plan = _infer.infer(
         config,
         cond_closed.jaxpr,
-        const_infos(config, cond_closed.consts),
+        closed_consts(config, cond_closed),
         [*cconsts, *carry],
         [False],
         [False],
@@ -453,7 +467,7 @@ def _cond_infer(
             plan = _infer.infer(
                 config,
                 closed.jaxpr,
-                const_infos(config, closed.consts),
+                closed_consts(config, closed),
                 operands,
                 read,
                 dem,

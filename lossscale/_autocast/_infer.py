@@ -191,6 +191,10 @@ class JaxprFacts:
         )
         self._literals: dict[Any, Info] = {}
         self._jaxpr_outvars = list(jaxpr.outvars)
+        # The constants computed at trace time, by equation: each is
+        # computed once while the jaxpr lives (the operands are kept with
+        # the key of their ids, so that the ids are not reused).
+        self.folded: dict[Any, tuple[tuple[int, ...], Any, Any]] = {}
 
     def cone(self, outputs: Sequence[bool]) -> frozenset[Any]:
         """The equations the flagged outputs depend on, at any remove."""
@@ -270,15 +274,13 @@ def infer(
 
 
 class _Planning:
-    """What one plan's making collects: the overrides it applied, and the
-    constants it computed (each equation folded once)."""
+    """What one plan's making collects: the overrides it applied."""
 
     def __init__(self, config: Config, facts: JaxprFacts) -> None:
         self.config = config
         self.facts = facts
         self.used: set[tuple[str, str]] = set()
         self.as_traced: frozenset[Any] = frozenset()
-        self.folded: dict[Any, tuple[tuple[int, ...], Any, Any]] = {}
 
 
 def _plan(
@@ -570,26 +572,37 @@ def function_rule(config: Config, name: str | None) -> R.FunctionRule | None:
     return None if name is None else config.function_rule(name)
 
 
-def _fold(planning: _Planning, eqn: Any, infos: Sequence[Info]) -> Any:
-    """The equation's results computed now, if its operands are known and
-    its results small (checked before anything is computed); once per
-    plan."""
+def _fold(
+    planning: _Planning,
+    eqn: Any,
+    infos: Sequence[Info],
+    compute: Callable[[list[Any]], list[Any]] | None = None,
+) -> Any:
+    """The equation's results computed now (by binding it, or by
+    ``compute`` of its operands' values), if its operands are known and
+    its results small (checked before anything is computed); once while
+    its jaxpr lives, so that each round of the fixed point, and each plan
+    of the jaxpr, sees the same values."""
     if any(i.value is None for i in infos):
         return None
     key = tuple(id(i.value) for i in infos)
-    hit = planning.folded.get(eqn)
+    folded = planning.facts.folded
+    hit = folded.get(eqn)
     if hit is not None and hit[0] == key:
         return hit[1]
     values = None
+    operands = [i.value for i in infos]
     if all(math.prod(v.aval.shape) <= FOLD_SIZE for v in eqn.outvars):
         try:
-            with jax.ensure_compile_time_eval():
-                outs = _compat.bind_equation(eqn, [i.value for i in infos])
-            values = [np.asarray(o) for o in outs]
+            if compute is not None:
+                values = compute(operands)
+            else:
+                with jax.ensure_compile_time_eval():
+                    outs = _compat.bind_equation(eqn, operands)
+                values = [np.asarray(o) for o in outs]
         except Exception:  # folding is only an optimisation
             values = None
-    # The operands are kept with the key, so that their ids are not reused.
-    planning.folded[eqn] = (key, values, [i.value for i in infos])
+    folded[eqn] = (key, values, operands)
     return values
 
 
@@ -743,7 +756,7 @@ def _forward(
     ):
         return traced(eqn, infos, compute)
     if eqn.primitive is _CONVERT:
-        return _convert(eqn, infos, compute)
+        return _convert(planning, eqn, infos, compute)
     record, override = config.record(eqn.primitive)
     if override is not None:
         planning.used.add(("primitive", override))
@@ -788,14 +801,15 @@ def _forward(
 
 
 def _convert(
-    eqn: Any, infos: Sequence[Info], compute: np.dtype
+    planning: _Planning, eqn: Any, infos: Sequence[Info], compute: np.dtype
 ) -> tuple[Node, list[Info]]:
     """An explicit cast the traced program shows: kept."""
     (info,) = infos
     new = np.dtype(eqn.params["new_dtype"])
-    value = None
-    if info.value is not None:
-        value = np.asarray(info.value).astype(new)
+    values = _fold(
+        planning, eqn, infos, lambda v: [np.asarray(v[0]).astype(new)]
+    )
+    value = None if values is None else values[0]
     if not is_float(new):
         out = Cls.KEEP
     elif new == compute:
@@ -804,8 +818,8 @@ def _convert(
         if info.cls == Cls.CONST16:
             out = Cls.CONST16
         else:
-            source = eqn.invars[0].aval.dtype
-            out = of_conversion(source, new, compute) or Cls.F32
+            held = of_conversion(eqn.invars[0].aval.dtype, new, compute)
+            out = Cls.F32 if held is None else held
     else:
         out = Cls.KEEP
     node = Node(Mode.CONVERT, (info.cls,), (out,), (False,))

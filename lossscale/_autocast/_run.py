@@ -117,7 +117,7 @@ def trace(
     plan = _infer.infer(
         config,
         jaxpr,
-        _higher.const_infos(config, closed.consts),
+        _higher.closed_consts(config, closed),
         [input_class(x, config.compute) for x in arrays],
         [wide] * n,
         [wide] * n,
