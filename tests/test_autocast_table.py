@@ -71,9 +71,9 @@ def test_records_are_keyed_on_the_primitives_jax_binds():
     assert not R.TABLE[primitives.name_p].island
     assert all(not isinstance(k, str) for k in R.TABLE)
     # The public table is the records' rules, by name.
-    assert lossscale.AUTOCAST_RULES == {
+    assert {
         n: r.kind.rule for n, r in R.RECORDS.items()
-    }
+    } == lossscale.AUTOCAST_RULES
     assert lossscale.AUTOCAST_RULES["dot_general"] == "compute"
     assert lossscale.AUTOCAST_RULES["tanh"] == "compute"  # bounded
 
