@@ -296,6 +296,19 @@ def equation_context(eqn: Any) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def source_context(eqn: Any) -> Iterator[None]:
+    """What is bound inside is attributed to the user's line that made
+    ``eqn`` (a cast autocast adds for it, a checkpoint around it), under
+    the name stack in place."""
+    info = getattr(eqn, "source_info", None)
+    if info is None:
+        yield
+        return
+    with source_info_util.user_context(info.traceback):
+        yield
+
+
 def name_stack(eqn: Any) -> str:
     """The named scopes an equation was traced in, ``"outer/inner"``."""
     info = getattr(eqn, "source_info", None)

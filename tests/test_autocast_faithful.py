@@ -246,3 +246,43 @@ def test_max_pooling_keeps_the_activation_dtype_forward_and_backward(
     )
     assert forward and set(forward) == {(F16,)}
     assert backward and {d[0] for d in backward} == {F16}
+
+
+def _saved(fun, *args):
+    import contextlib
+    import io
+
+    from jax.ad_checkpoint import print_saved_residuals
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        print_saved_residuals(fun, *args)
+    return buf.getvalue().splitlines()
+
+
+def test_residuals_keep_their_names_and_the_users_lines():
+    # autocast's own checkpoints and casts carried lossscale's source info,
+    # and a named residual recomputed inside a float32 island lost its
+    # name: a checkpoint policy saving it by name saved an anonymous
+    # "output of remat2 from lossscale/_compat.py" instead.
+    from jax.ad_checkpoint import checkpoint_name
+
+    def f(w, b, x):
+        h = x @ w
+        h = checkpoint_name(h + b, "pre")
+        h = jax.nn.gelu(h) * 2.0
+        return jnp.sum((h @ w) ** 2)
+
+    w, b, x = jnp.full((8, 8), 0.1), jnp.zeros(8), jnp.ones((4, 8))
+    policy = jax.checkpoint_policies.save_only_these_names("pre")
+    saved = _saved(
+        jax.checkpoint(lossscale.autocast(f, jnp.float16), policy=policy),
+        w,
+        b,
+        x,
+    )
+    assert any("named 'pre'" in line for line in saved), saved
+    # Without the policy, every residual names the user's code.
+    saved = _saved(lossscale.autocast(f, jnp.float16), w, b, x)
+    assert any("test_autocast_faithful.py" in line for line in saved)
+    assert not any("lossscale" in line for line in saved), saved

@@ -67,7 +67,13 @@ def emit(
 
 
 def equation(call: Call, eqn: Any, node: Node, invals: list[Any]) -> list[Any]:
-    """Binds one equation by its node."""
+    """Binds one equation by its node; what autocast binds for it (casts,
+    a checkpoint) is attributed to the user's line that made it."""
+    with _compat.source_context(eqn):
+        return _equation(call, eqn, node, invals)
+
+
+def _equation(call: Call, eqn: Any, node: Node, invals: list[Any]) -> list[Any]:
     compute = call.compute
     if node.mode is Mode.HIGHER:
         try:
@@ -101,12 +107,11 @@ def equation(call: Call, eqn: Any, node: Node, invals: list[Any]) -> list[Any]:
                 vals[i] = x
             return store(bind(eqn, node, vals, dtype), node.outs, compute)
 
-        with _compat.equation_context(eqn):
-            return list(
-                _compat.checkpoint(island, prevent_cse=False)(
-                    *[invals[i] for i in positions]
-                )
+        return list(
+            _compat.checkpoint(island, prevent_cse=False)(
+                *[invals[i] for i in positions]
             )
+        )
     return store(bind(eqn, node, invals, dtype), node.outs, compute)
 
 

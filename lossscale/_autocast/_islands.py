@@ -105,7 +105,7 @@ def emit(
         return outs
 
     args = [values[i] for i in traced]
-    with jax.named_scope(SCOPE), _compat.equation_context(run[0]):
+    with jax.named_scope(SCOPE), _compat.source_context(run[0]):
         key = _key(nodes, run, inputs, values, traced)
         if key is not None:
             hit = cache.get(key)
