@@ -107,23 +107,56 @@ def test_a_prng_key_can_be_returned():
     assert aux_key.dtype == expected_key.dtype and grads.dtype == F32
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a closed-over NNX model's Variables belong to the outer trace: "
-    "flax refuses their update inside autocast's trace (TraceContextError); "
-    "the docs' 'called inside' example only works for stateless models",
-)
 @pytest.mark.standard_promotion
-def test_nnx_model_with_dropout_closed_over_as_in_the_docs():
+def test_nnx_model_with_dropout_closed_over_is_refused_with_the_way_out():
+    # A closed-over NNX model's Variables belong to the outer trace, and
+    # flax refuses their update inside autocast's trace with a bare
+    # TraceContextError: lossscale's message names the pattern that works.
     from flax import nnx
 
     model = nnx.Sequential(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
     model.layers.append(nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1)))
     x = jnp.ones((2, 4))
-    loss, _ = nnx.value_and_grad(
-        lambda m: lossscale.autocast(lambda x: jnp.mean(m(x) ** 2))(x)
-    )(model)
+    with pytest.raises(ValueError, match="Pass the model as an argument"):
+        nnx.value_and_grad(
+            lambda m: lossscale.autocast(lambda x: jnp.mean(m(x) ** 2))(x)
+        )(model)
+    # The pattern it names: the model passed in, its state written back.
+
+    def loss_fn(m, x):
+        return jnp.mean(m(x) ** 2)
+
+    count = model.layers[1].rngs.count
+    # get_value() since flax 0.12; .value before (and deprecated since).
+    read = getattr(count, "get_value", None) or (lambda: count.value)
+    before = read()
+    loss, _ = nnx.value_and_grad(lossscale.autocast(loss_fn))(model, x)
     assert loss.dtype == F32
+    assert read() == before + 1
+
+
+def test_swapped_arguments_get_a_hint():
+    with pytest.raises(TypeError, match="arguments are swapped"):
+        lossscale.autocast(jnp.float16, lambda x: x)
+    with pytest.raises(TypeError, match="a dtype, not a function"):
+        lossscale.autocast(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_a_keras_policy_keeps_the_loss_float32(policy):
+    # Keras computes losses in float32 under its mixed policies; the
+    # policy string gave a float16 loss (5e-7 is a float16 subnormal).
+    def loss(w, x):
+        return jnp.mean((x @ w) ** 2) * 1e-6
+
+    w, x = jnp.full((4, 4), 0.1), jnp.ones((2, 4))
+    value = lossscale.autocast(loss, policy)(w, x)
+    assert value.dtype == F32
+    np.testing.assert_allclose(value, loss(w, x), rtol=1e-2)
+    # jmp's grammar still casts the outputs as it says.
+    assert lossscale.autocast(loss, "p=f32,c=f16,o=f16")(w, x).dtype == (
+        jnp.float16
+    )
 
 
 # --- functions that share a primitive's name -------------------------------

@@ -172,7 +172,11 @@ def autocast(
     """
     if not callable(fun) or _looks_like_dtype(fun):
         hint = ""
-        if _looks_like_dtype(fun) and callable(compute_dtype):
+        if (
+            _looks_like_dtype(fun)
+            and callable(compute_dtype)
+            and not _looks_like_dtype(compute_dtype)
+        ):
             hint = (
                 " (the arguments are swapped: autocast(fun, compute_dtype), "
                 "e.g. autocast(loss_fn, jnp.float16))"
