@@ -15,6 +15,7 @@ of 32 rows of 64 features, layers of 32 and 16.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import math
 
@@ -115,10 +116,6 @@ def relative_error(tree, reference):
 
 def all_finite(tree):
     return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree))
-
-
-def every_leaf_non_finite(tree):
-    return all(not bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree))
 
 
 # --- 1. structure, read from the jaxprs of jax.grad ------------------------
@@ -401,3 +398,167 @@ def test_float8_rule_needs_a_recipe_and_a_dot_general():
             lossscale.autocast(
                 mse, compute_dtype, rules={"conv_general_dilated": "float8"}
             )
+
+
+# --- 3. non-finite values are never hidden --------------------------------
+
+
+def corrupt(array, bad, where=(3, 5)):
+    return array.at[where].set(bad)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_inf_or_nan_in_input_or_target_gives_non_finite_gradients(recipe):
+    # A non-finite input reaches the forward float8 matmul; a non-finite
+    # target reaches only the backward ones, through the loss's cotangent.
+    # Quantisation must keep it non-finite (no clip to 448 or 57344, no
+    # "keep the previous scale" guard): wherever float32's gradient is
+    # inf or NaN, so is float8's (float8 spreads a non-finite value
+    # further: a per-tensor scale of 0 or NaN reaches every element).
+    params, (x, y) = mlp_params(), batch()
+    grad = jax.jit(jax.grad(lossscale.autocast(mse, lossscale.Float8(recipe))))
+    reference = jax.jit(jax.grad(mse))
+    assert all_finite(grad(params, x, y))  # the negative control
+    for bad in (np.inf, -np.inf, np.nan):
+        for args in ((corrupt(x, bad), y), (x, corrupt(y, bad))):
+            got, expected = grad(params, *args), reference(params, *args)
+            assert not all_finite(expected)  # the premise
+            assert not all_finite(got), bad
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+                assert not np.any(np.isfinite(a) & ~np.isfinite(b)), bad
+
+
+def scanned_loss(params, x, y):
+    """Layers stacked along a leading axis, run by lax.scan."""
+
+    def body(h, w):
+        return jnp.tanh(h @ w), None
+
+    h, _ = lax.scan(body, x @ params["w_in"], params["ws"])
+    return jnp.mean((h @ params["w_out"] - y) ** 2)
+
+
+def scanned_params():
+    return {
+        "w_in": normal(0, (64, 32), 1 / 8),
+        "ws": normal(1, (2, 32, 32), 1 / math.sqrt(32)),
+        "w_out": normal(2, (32, 16), 1 / math.sqrt(32)),
+    }
+
+
+def checkpointed_loss(params, x, y):
+    h = jax.checkpoint(lambda x, w, b: jnp.tanh(x @ w + b))(
+        x, params["w1"], params["b1"]
+    )
+    out = jax.checkpoint(lambda h, w: h @ w)(h, params["w2"])
+    return jnp.mean((out - y) ** 2)
+
+
+def data_mesh():
+    return jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+
+
+def data_parallel_loss(params, x, y):
+    """The batch split over two devices by jax.shard_map, the parameters
+    replicated, the loss averaged over the devices (16 rows each: a
+    multiple of 16, as float8 needs).
+
+    No collective is needed for current scaling: each replica quantises
+    its own batch with scales from its own amax, and dequantises its own
+    products with them, so each device's loss and gradients are those of
+    its rows exactly as they would be on one device; the replicated
+    weights have the same amax everywhere, and JAX sums the weights'
+    gradients (already dequantised, in float32) over the devices, as it
+    does without float8.
+    """
+
+    def local(params, x, y):
+        return lax.pmean(mse(params, x, y), "data")
+
+    return jax.shard_map(
+        local,
+        mesh=data_mesh(),
+        in_specs=(P(), P("data"), P("data")),
+        out_specs=P(),
+    )(params, x, y)
+
+
+def placed_on(mesh):
+    """Puts a tree on ``mesh``: replicated, or its rows over "data"."""
+
+    def place(tree, spec=P()):
+        return jax.device_put(tree, jax.NamedSharding(mesh, spec))
+
+    return place
+
+
+# The loss, its parameters, and the float8 matmuls of its gradient's jaxpr
+# (forward, backward): a scan's body once, and under jax.checkpoint the
+# first layer's forward matmul again, recomputed in the backward pass.
+SKIP_CASES = {
+    "jit": (mse, mlp_params, (2, 4)),
+    "scan": (scanned_loss, scanned_params, (3, 6)),
+    "checkpoint": (checkpointed_loss, mlp_params, (3, 4)),
+    "shard_map": (data_parallel_loss, mlp_params, (2, 4)),
+    "explicit_mesh": (mse, mlp_params, (2, 4)),
+}
+
+
+def make_step(loss, tx):
+    chex.clear_trace_counter()
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(params, opt_state, x, y):
+        value, grads = lossscale.value_and_grad(loss, opt_state)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return step
+
+
+@pytest.mark.parametrize("case", list(SKIP_CASES))
+def test_loss_scaled_skips_a_non_finite_step_untouched(case):
+    loss, init, (n_forward, n_backward) = SKIP_CASES[case]
+    f = lossscale.autocast(loss, lossscale.Float8())
+    params, (x, y) = init(), batch()
+    inputs = [(x, y), (corrupt(x, np.inf), y), (x, corrupt(y, np.nan)), (x, y)]
+    context = contextlib.nullcontext()
+    if case in ("shard_map", "explicit_mesh"):
+        # On the mesh from the start: a step whose inputs change sharding
+        # between calls is traced again.
+        if case == "shard_map":
+            place = placed_on(data_mesh())
+        else:
+            mesh = explicit_mesh((4, 2), ("data", "model"))
+            place, context = placed_on(mesh), set_mesh(mesh)
+        params = place(params)
+        inputs = [place(pair, P("data")) for pair in inputs]
+    tx = lossscale.loss_scaled(
+        optax.sgd(0.1, momentum=0.9), lossscale.DynamicLossScale(2.0**10)
+    )
+    with context:
+        counts = fp8_counts(grad_jaxpr(f, params, *inputs[0]))
+        assert counts == {"forward": n_forward, "backward": n_backward}
+        step = make_step(f, tx)
+        state = tx.init(params)
+        if case in ("shard_map", "explicit_mesh"):
+            state = place(state)
+        # A finite step trains (the negative control) ...
+        params, state, value = step(params, state, *inputs[0])
+        assert bool(jnp.isfinite(value)) and bool(state.grads_finite)
+        assert all_finite(params)
+        # ... an inf in the input, then a NaN in the target, are skipped:
+        # the parameters and the inner optimizer's state bitwise untouched.
+        for bad in inputs[1:3]:
+            new_params, new_state, _ = step(params, state, *bad)
+            assert not bool(new_state.grads_finite)
+            assert_trees_bitwise_equal(new_params, params)
+            assert_trees_bitwise_equal(new_state.inner_state, state.inner_state)
+            state = new_state
+        # ... and the next finite step trains again.
+        new_params, state, _ = step(params, state, *inputs[3])
+        assert bool(state.grads_finite)
+        assert int(lossscale.metrics(state)["skipped_steps"]) == 2
+        for new, old in zip(jax.tree.leaves(new_params), jax.tree.leaves(params)):
+            assert bool(jnp.any(new != old))
