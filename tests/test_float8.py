@@ -18,6 +18,7 @@ import collections
 import contextlib
 import functools
 import math
+from typing import Any, cast
 
 import chex
 import jax
@@ -44,7 +45,9 @@ FORWARD, BACKWARD = ((E4, E4), "float32"), ((E4, E5), "float32")
 
 
 def normal(seed, shape, scale=1.0):
-    return jax.random.normal(jax.random.key(seed), shape, jnp.float32) * scale
+    # numpy's generator: no JAX operation to compile for the test data.
+    values = np.random.default_rng(seed).standard_normal(shape) * scale
+    return jnp.asarray(values, jnp.float32)
 
 
 def mlp_params(seed=0, sizes=(64, 32, 16)):
@@ -68,9 +71,9 @@ def mse(params, x, y):
 
 def batch(seed=2, n=32):
     """Inputs and regression targets of a smooth teacher."""
-    x = normal(seed, (n, 64))
-    y = jnp.sin(x[:, :16]) + 0.5 * x[:, 16:32]
-    return x, y
+    x = np.asarray(normal(seed, (n, 64)))
+    y = np.sin(x[:, :16]) + 0.5 * x[:, 16:32]
+    return jnp.asarray(x), jnp.asarray(y)
 
 
 def dots(jaxpr):
@@ -105,17 +108,26 @@ def grad_jaxpr(fun, *args, argnums=0):
     return jax.make_jaxpr(jax.grad(fun, argnums))(*args)
 
 
+# The checks below run in numpy: each JAX operation run eagerly on a new
+# shape is compiled first, which costs more than the check.
+
+
 def relative_error(tree, reference):
     """Global norm of ``tree - reference`` over the global norm of
     ``reference``."""
-    diff = jax.tree.map(
-        lambda a, b: a.astype(F32) - b.astype(F32), tree, reference
-    )
-    return float(optax.tree.norm(diff) / optax.tree.norm(reference))
+    leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(tree)]
+    refs = [np.asarray(x, np.float64) for x in jax.tree.leaves(reference)]
+    diff = sum(np.sum((a - b) ** 2) for a, b in zip(leaves, refs, strict=True))
+    return float(np.sqrt(diff / sum(np.sum(b**2) for b in refs)))
 
 
 def all_finite(tree):
-    return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree))
+    return all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(tree))
+
+
+def differ(a, b):
+    """Whether two arrays differ anywhere."""
+    return bool(np.any(np.asarray(a) != np.asarray(b)))
 
 
 @functools.cache
@@ -128,6 +140,19 @@ def fp8_value_and_grad(recipe):
 
 def fp8_grad(recipe, *args):
     return fp8_value_and_grad(recipe)(*args)[1]
+
+
+float32_value_and_grad = jax.jit(jax.value_and_grad(mse))
+bfloat16_value_and_grad = jax.jit(
+    jax.value_and_grad(lossscale.autocast(mse, jnp.bfloat16))
+)
+
+
+def slow_but_first(values):
+    """pytest params: the first value, then the others marked slow."""
+    return [values[0]] + [
+        pytest.param(v, marks=pytest.mark.slow) for v in values[1:]
+    ]
 
 
 # --- 1. structure, read from the jaxprs of jax.grad ------------------------
@@ -395,7 +420,9 @@ def test_multiple_sets_the_sizes_that_run_in_float8():
     }
     assert counts[16] == {}
     assert counts[8] == {"forward": 2, "backward": 4}
-    report = lossscale.matmuls(lossscale.autocast(f, lossscale.Float8()), params, x)
+    report = lossscale.matmuls(
+        lossscale.autocast(f, lossscale.Float8()), params, x
+    )
     assert [m.why for m in report] == [
         "M=32, N=24, K=64 not all multiples of 16",
         "M=32, N=16, K=24 not all multiples of 16",
@@ -406,7 +433,9 @@ def test_float8_rule_needs_a_recipe_and_a_dot_general():
     with pytest.raises(ValueError, match=r"rules\['dot_general'\]"):
         lossscale.autocast(mse, jnp.bfloat16, rules={"dot_general": "float8"})
     for compute_dtype in (jnp.bfloat16, lossscale.Float8()):
-        with pytest.raises(ValueError, match=r"rules\['conv_general_dilated'\]"):
+        with pytest.raises(
+            ValueError, match=r"rules\['conv_general_dilated'\]"
+        ):
             lossscale.autocast(
                 mse, compute_dtype, rules={"conv_general_dilated": "float8"}
             )
@@ -416,10 +445,12 @@ def test_float8_rule_needs_a_recipe_and_a_dot_general():
 
 
 def corrupt(array, bad, where=(3, 5)):
-    return array.at[where].set(bad)
+    array = np.array(array)
+    array[where] = bad
+    return jnp.asarray(array)
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", slow_but_first(["tensorwise", "rowwise"]))
 def test_inf_or_nan_in_input_or_target_gives_non_finite_gradients(recipe):
     # A non-finite input reaches the forward float8 matmul; a non-finite
     # target reaches only the backward ones, through the loss's cotangent.
@@ -429,14 +460,20 @@ def test_inf_or_nan_in_input_or_target_gives_non_finite_gradients(recipe):
     # further: a per-tensor scale of 0 or NaN reaches every element).
     params, (x, y) = mlp_params(), batch()
     grad = functools.partial(fp8_grad, recipe)
-    reference = jax.jit(jax.grad(mse))
+
+    def reference(*args):
+        return float32_value_and_grad(*args)[1]
+
     assert all_finite(grad(params, x, y))  # the negative control
     for bad in (np.inf, -np.inf, np.nan):
         for args in ((corrupt(x, bad), y), (x, corrupt(y, bad))):
             got, expected = grad(params, *args), reference(params, *args)
             assert not all_finite(expected)  # the premise
             assert not all_finite(got), bad
-            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+            pairs = zip(
+                jax.tree.leaves(got), jax.tree.leaves(expected), strict=True
+            )
+            for a, b in pairs:
                 assert not np.any(np.isfinite(a) & ~np.isfinite(b)), bad
 
 
@@ -495,20 +532,26 @@ def data_parallel_loss(params, x, y):
     )(params, x, y)
 
 
+def unplaced(tree, spec=None):
+    del spec
+    return tree
+
+
 def placed_on(mesh):
     """Puts a tree on ``mesh``: replicated, or its rows over "data"."""
 
-    def place(tree, spec=P()):
+    def place(tree, spec=None):
+        spec = P() if spec is None else spec
         return jax.device_put(tree, jax.NamedSharding(mesh, spec))
 
     return place
 
 
 # The loss, its parameters, and the float8 matmuls of its gradient's jaxpr
-# (forward, backward): a scan's body once, and under jax.checkpoint the
-# first layer's forward matmul again, recomputed in the backward pass.
+# (forward, backward), each under jax.jit: a scan's body once, and under
+# jax.checkpoint the first layer's forward matmul again, recomputed in the
+# backward pass.
 SKIP_CASES = {
-    "jit": (mse, mlp_params, (2, 4)),
     "scan": (scanned_loss, scanned_params, (3, 6)),
     "checkpoint": (checkpointed_loss, mlp_params, (3, 4)),
     "shard_map": (data_parallel_loss, mlp_params, (2, 4)),
@@ -535,17 +578,16 @@ def test_loss_scaled_skips_a_non_finite_step_untouched(case):
     f = lossscale.autocast(loss, lossscale.Float8())
     params, (x, y) = init(), batch()
     inputs = [(x, y), (corrupt(x, np.inf), y), (x, corrupt(y, np.nan)), (x, y)]
-    context = contextlib.nullcontext()
-    if case in ("shard_map", "explicit_mesh"):
-        # On the mesh from the start: a step whose inputs change sharding
-        # between calls is traced again.
-        if case == "shard_map":
-            place = placed_on(data_mesh())
-        else:
-            mesh = explicit_mesh((4, 2), ("data", "model"))
-            place, context = placed_on(mesh), set_mesh(mesh)
-        params = place(params)
-        inputs = [place(pair, P("data")) for pair in inputs]
+    # On a mesh from the start (a jitted step whose inputs change sharding
+    # between calls is traced again), or where they are.
+    place, context = unplaced, contextlib.nullcontext()
+    if case == "shard_map":
+        place = placed_on(data_mesh())
+    elif case == "explicit_mesh":
+        mesh = explicit_mesh((4, 2), ("data", "model"))
+        place, context = placed_on(mesh), set_mesh(mesh)
+    params = place(params)
+    inputs = [place(pair, P("data")) for pair in inputs]
     tx = lossscale.loss_scaled(
         optax.sgd(0.1, momentum=0.9), lossscale.DynamicLossScale(2.0**10)
     )
@@ -553,12 +595,10 @@ def test_loss_scaled_skips_a_non_finite_step_untouched(case):
         counts = fp8_counts(grad_jaxpr(f, params, *inputs[0]))
         assert counts == {"forward": n_forward, "backward": n_backward}
         step = make_step(f, tx)
-        state = tx.init(params)
-        if case in ("shard_map", "explicit_mesh"):
-            state = place(state)
+        state = place(tx.init(params))
         # A finite step trains (the negative control) ...
         params, state, value = step(params, state, *inputs[0])
-        assert bool(jnp.isfinite(value)) and bool(state.grads_finite)
+        assert np.isfinite(value) and bool(state.grads_finite)
         assert all_finite(params)
         # ... an inf in the input, then a NaN in the target, are skipped:
         # the parameters and the inner optimizer's state bitwise untouched.
@@ -572,14 +612,16 @@ def test_loss_scaled_skips_a_non_finite_step_untouched(case):
         new_params, state, _ = step(params, state, *inputs[3])
         assert bool(state.grads_finite)
         assert int(lossscale.metrics(state)["skipped_steps"]) == 2
-        for new, old in zip(jax.tree.leaves(new_params), jax.tree.leaves(params)):
-            assert bool(jnp.any(new != old))
+        for new, old in zip(
+            jax.tree.leaves(new_params), jax.tree.leaves(params), strict=True
+        ):
+            assert differ(new, old)
 
 
 # --- 4. one library with the loss scaler ----------------------------------
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", slow_but_first(["tensorwise", "rowwise"]))
 def test_power_of_two_loss_scale_leaves_the_float8_gradients_bitwise(recipe):
     # Current scaling absorbs a power-of-two loss scale: the cotangent's
     # amax, and its inverse scale, take the factor exactly, its float8
@@ -589,7 +631,6 @@ def test_power_of_two_loss_scale_leaves_the_float8_gradients_bitwise(recipe):
     scales = {
         "none": lossscale.NoOpLossScale(),
         "2**12": lossscale.StaticLossScale(2.0**12),
-        "2**-3": lossscale.StaticLossScale(2.0**-3),
         "1000": lossscale.StaticLossScale(1000.0),
     }
 
@@ -605,7 +646,6 @@ def test_power_of_two_loss_scale_leaves_the_float8_gradients_bitwise(recipe):
     grads = unscaled_grads(mlp_params(), *batch())
     assert all_finite(grads["none"])
     assert_trees_bitwise_equal(grads["2**12"], grads["none"])
-    assert_trees_bitwise_equal(grads["2**-3"], grads["none"])
     with pytest.raises(AssertionError):  # the negative control
         assert_trees_bitwise_equal(grads["1000"], grads["none"])
     # ... by float8's rounding only.
@@ -622,7 +662,10 @@ def grouped_loss(params, x, y, ratio):
 
 def test_loss_scaled_by_group_gives_the_unscaled_float8_step():
     p = mlp_params()
-    params = {"first": {"w1": p["w1"], "b1": p["b1"]}, "second": {"w2": p["w2"]}}
+    params = {
+        "first": {"w1": p["w1"], "b1": p["b1"]},
+        "second": {"w2": p["w2"]},
+    }
     x, y = batch()
     tx = lossscale.loss_scaled_by_group(
         optax.sgd(1.0),
@@ -636,7 +679,7 @@ def test_loss_scaled_by_group_gives_the_unscaled_float8_step():
 
     @jax.jit
     def step(params, state, x, y):
-        scales = lossscale.get_loss_scale(state)
+        scales = cast(dict[str, Any], lossscale.get_loss_scale(state))
         ratio = scales["first"].loss_scale / scales["second"].loss_scale
         loss = functools.partial(f, ratio=ratio)
         value, grads = lossscale.value_and_grad(loss, scales["second"])(
@@ -648,14 +691,14 @@ def test_loss_scaled_by_group_gives_the_unscaled_float8_step():
         return updates, state, value, unscaled
 
     updates, state, value, unscaled = step(params, tx.init(params), x, y)
-    assert bool(state.grads_finite) and bool(jnp.isfinite(value))
+    assert bool(state.grads_finite) and np.isfinite(value)
     assert fp8_counts(
         jax.make_jaxpr(jax.grad(f))(params, x, y, jnp.float32(2.0**-6))
     ) == {"forward": 2, "backward": 4}
     # Powers of two all through: sgd(1.0)'s updates are bitwise minus the
     # gradients of the unscaled loss.
     assert_trees_bitwise_equal(updates, jax.tree.map(jnp.negative, unscaled))
-    assert all(bool(jnp.any(u != 0)) for u in jax.tree.leaves(updates))
+    assert all(differ(u, 0) for u in jax.tree.leaves(updates))
     assert set(lossscale.metrics(state)) >= {"loss_scale/first", "steps"}
 
 
@@ -663,7 +706,9 @@ def test_loss_scaled_by_group_gives_the_unscaled_float8_step():
 def test_multi_steps_skips_an_effective_batch_with_a_non_finite_micro_batch():
     f = lossscale.autocast(mse, lossscale.Float8())
     tx = lossscale.MultiSteps(
-        lossscale.loss_scaled(optax.sgd(0.1), lossscale.DynamicLossScale(2.0**10)),
+        lossscale.loss_scaled(
+            optax.sgd(0.1), lossscale.DynamicLossScale(2.0**10)
+        ),
         every_k_schedule=2,
     )
     step = make_step(f, tx)
@@ -682,7 +727,7 @@ def test_multi_steps_skips_an_effective_batch_with_a_non_finite_micro_batch():
         new_params, state, _ = step(params, state, *micro)
     metrics = lossscale.metrics(state)
     assert bool(metrics["grads_finite"]) and int(metrics["steps"]) == 2
-    assert bool(jnp.any(new_params["w1"] != params["w1"]))
+    assert differ(new_params["w1"], params["w1"])
 
 
 @pytest.mark.standard_promotion
@@ -729,16 +774,19 @@ def assert_close_to_float32(got, expected):
     assert relative_error(grads, ref_grads) < GRAD_RTOL
 
 
-def check_float8(loss, params, *args, counts=(2, 4), argnums=0):
+def check_float8(loss, params, *args, counts=(2, 4)):
     """autocast(loss, Float8())'s gradient: its float8 matmuls (forward,
-    backward), and its value and gradients against float32's."""
+    backward), and its value and gradients against float32's.
+
+    Run eagerly: JAX dispatches one operation at a time and compiles each
+    once for all the tests (the models here have the same shapes), where
+    jit would compile each model's program (the skip tests run jit)."""
     f = lossscale.autocast(loss, lossscale.Float8())
-    found = fp8_counts(grad_jaxpr(f, params, *args, argnums=argnums))
+    found = fp8_counts(grad_jaxpr(f, params, *args))
     assert found == dict(zip(("forward", "backward"), counts, strict=True))
-    got = jax.jit(jax.value_and_grad(f, argnums))(params, *args)
-    expected = jax.jit(jax.value_and_grad(loss, argnums))(params, *args)
+    got = jax.value_and_grad(f)(params, *args)
+    expected = jax.value_and_grad(loss)(params, *args)
     assert_close_to_float32(got, expected)
-    return got
 
 
 def test_flax_nnx_linear_mlp():
@@ -808,16 +856,19 @@ def test_flax_linen_dense():
 
 def test_equinox_mlp_under_filter_value_and_grad():
     eqx = pytest.importorskip("equinox")
-    model = eqx.nn.MLP(64, 16, 32, 1, activation=jnp.tanh, key=jax.random.key(0))
+    model = eqx.nn.MLP(
+        64, 16, 32, 1, activation=jnp.tanh, key=jax.random.key(0)
+    )
     x, y = batch()
 
     def loss(model, x, y):
         return jnp.mean((jax.vmap(model)(x) - y) ** 2)
 
-    # A user's step: eqx.filter_value_and_grad of the autocast function.
+    # A user's step: eqx.filter_value_and_grad of the autocast function
+    # (eagerly, as check_float8).
     f = lossscale.autocast(loss, lossscale.Float8())
-    got = eqx.filter_jit(eqx.filter_value_and_grad(f))(model, x, y)
-    expected = eqx.filter_jit(eqx.filter_value_and_grad(loss))(model, x, y)
+    got = eqx.filter_value_and_grad(f)(model, x, y)
+    expected = eqx.filter_value_and_grad(loss)(model, x, y)
     arrays = functools.partial(eqx.filter, filter_spec=eqx.is_inexact_array)
     assert_close_to_float32(
         (got[0], arrays(got[1])), (expected[0], arrays(expected[1]))
@@ -833,10 +884,7 @@ def test_custom_vjp_runs_whole_at_traced_dtypes():
     # autocast runs a custom_vjp function as written (its forward and its
     # backward rule at the dtypes they were traced with): its matmul is a
     # float32 one, not float8; the matmul outside it is float8.
-    @jax.custom_vjp
-    def linear(x, w):
-        return x @ w
-
+    linear = jax.custom_vjp(lambda x, w: x @ w)
     linear.defvjp(
         lambda x, w: (x @ w, (x, w)),
         lambda saved, g: (g @ saved[1].T, saved[0].T @ g),
@@ -862,31 +910,45 @@ def test_custom_vjp_runs_whole_at_traced_dtypes():
     check_float8(loss, params, x, y, counts=(1, 2))
 
 
-def test_vmap_and_pmap_quantise_each_slice_on_its_own():
-    # Mapped over two slices of 16 rows, the float8 gradient of each slice
-    # is the one computed for that slice alone: each is quantised with its
-    # own scales (the amax of its own rows).
-    if len(jax.devices()) < 2:
-        pytest.skip("needs 2 devices (conftest asks for 8 CPU devices)")
+def sliced():
+    """The parameters, the batch in two slices of 16 rows, and the float8
+    gradient of each slice alone."""
     params, (x, y) = mlp_params(), batch()
     xs, ys = x.reshape(2, 16, 64), y.reshape(2, 16, 16)
     grad = jax.grad(lossscale.autocast(mse, lossscale.Float8()))
-    one = functools.partial(fp8_grad, "tensorwise")
-    expected = [one(params, xs[i], ys[i]) for i in range(2)]
+    one = jax.jit(grad)
+    return params, xs, ys, grad, [one(params, xs[i], ys[i]) for i in range(2)]
+
+
+def assert_slices_equal(mapped, expected):
+    for i in range(2):
+        chex.assert_trees_all_close(
+            jax.tree.map(lambda g, i=i: g[i], mapped),
+            expected[i],
+            rtol=1e-6,
+            atol=1e-7,
+        )
+
+
+def test_vmap_quantises_each_slice_on_its_own():
+    # Mapped over two slices of 16 rows, the float8 gradient of each slice
+    # is the one computed for that slice alone: each is quantised with its
+    # own scales (the amax of its own rows).
+    params, xs, ys, grad, expected = sliced()
     by_vmap = jax.jit(jax.vmap(grad, in_axes=(None, 0, 0)))(params, xs, ys)
-    by_pmap = jax.pmap(grad, in_axes=(None, 0, 0))(params, xs, ys)
-    for mapped in (by_vmap, by_pmap):
-        for i in range(2):
-            chex.assert_trees_all_close(
-                jax.tree.map(lambda g, i=i: g[i], mapped),
-                expected[i],
-                rtol=1e-6,
-                atol=1e-7,
-            )
+    assert_slices_equal(by_vmap, expected)
     # Negative control: the whole batch, quantised together, differs.
-    whole = one(params, x, y)
+    whole = grad(params, xs.reshape(32, 64), ys.reshape(32, 16))
     average = jax.tree.map(lambda g: (g[0] + g[1]) / 2, by_vmap)
     assert 0 < relative_error(average, whole) < GRAD_RTOL
+
+
+def test_pmap_quantises_each_device_slice_on_its_own():
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices (conftest asks for 8 CPU devices)")
+    params, xs, ys, grad, expected = sliced()
+    by_pmap = jax.pmap(grad, in_axes=(None, 0, 0))(params, xs, ys)
+    assert_slices_equal(by_pmap, expected)
 
 
 def model_parallel_mse(params, x, y):
@@ -898,7 +960,7 @@ def model_parallel_mse(params, x, y):
     return jnp.mean((out - y) ** 2)
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", slow_but_first(["tensorwise", "rowwise"]))
 def test_explicit_mesh_batch_and_model_parallel_weights(recipe):
     # The batch over "data", the first layer's columns and the second's
     # rows over "model". Scales are global (the amax of a sharded tensor is
@@ -926,7 +988,9 @@ def test_explicit_mesh_batch_and_model_parallel_weights(recipe):
 # --- 6. numerics ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+@pytest.mark.parametrize(
+    "recipe", slow_but_first(["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+)
 def test_loss_and_gradients_within_float8_tolerance_of_float32(recipe):
     """The tolerances (``LOSS_RTOL``, ``GRAD_RTOL``) from float8's rounding.
 
@@ -944,28 +1008,31 @@ def test_loss_and_gradients_within_float8_tolerance_of_float32(recipe):
     above 0.02 shows that float8 really ran (the negative control).
     """
     params, (x, y) = mlp_params(), batch()
-    expected = jax.jit(jax.value_and_grad(mse))(params, x, y)
+    expected = float32_value_and_grad(params, x, y)
     got = fp8_value_and_grad(recipe)(params, x, y)
     assert_close_to_float32(got, expected)
-    bf16 = jax.jit(jax.value_and_grad(lossscale.autocast(mse, jnp.bfloat16)))
-    bf16_error = relative_error(bf16(params, x, y)[1], expected[1])
+    bf16_error = relative_error(
+        bfloat16_value_and_grad(params, x, y)[1], expected[1]
+    )
     assert bf16_error < 0.01 < 0.02 < relative_error(got[1], expected[1])
 
 
 def test_rowwise_is_closer_than_tensorwise_with_an_outlier_row():
-    # One row of the input 2**16 times the others: one scale for the whole
-    # tensor puts the other rows among e4m3's subnormals (or at 0); one per
-    # row keeps each row's 3 bits. Errors of the other rows' outputs, each
-    # relative to its own norm.
-    x, _ = batch()
-    x = x.at[0].multiply(2.0**16)
+    # One row of the input 2**20 times the others: one scale for the whole
+    # tensor takes the other rows below e4m3's smallest subnormal (2**-9),
+    # to 0; one per row keeps each row's 3 bits. Errors of the other rows'
+    # outputs, each relative to its own norm.
+    x = np.array(batch()[0])
+    x[0] *= 2.0**20
     w = mlp_params()["w1"]
-    expected = x @ w
+    expected = (x.astype(np.float64) @ np.asarray(w, np.float64))[1:]
 
     def worst_row_error(recipe):
         f = lossscale.autocast(lambda x, w: x @ w, lossscale.Float8(recipe))
-        out = jax.jit(f)(x, w).astype(F32)
-        err = jnp.linalg.norm(out - expected, axis=1)
-        return float(jnp.max(err[1:] / jnp.linalg.norm(expected[1:], axis=1)))
+        out = np.asarray(f(jnp.asarray(x), w), np.float64)[1:]
+        err = np.linalg.norm(out - expected, axis=1)
+        return float(np.max(err / np.linalg.norm(expected, axis=1)))
 
-    assert worst_row_error("rowwise") < 0.1 < 0.3 < worst_row_error("tensorwise")
+    assert (
+        worst_row_error("rowwise") < 0.1 < 0.5 < worst_row_error("tensorwise")
+    )
