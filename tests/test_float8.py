@@ -108,6 +108,12 @@ def grad_jaxpr(fun, *args, argnums=0):
     return jax.make_jaxpr(jax.grad(fun, argnums))(*args)
 
 
+def assert_two_float8_layers(fun, *args):
+    """Both of the MLP's layers run in float8 in ``fun``'s gradient (else a
+    test of values could pass without float8)."""
+    assert fp8_counts(grad_jaxpr(fun, *args)) == {"forward": 2, "backward": 4}
+
+
 # The checks below run in numpy: each JAX operation run eagerly on a new
 # shape is compiled first, which costs more than the check.
 
@@ -290,10 +296,7 @@ def test_rules_dot_general_compute_means_no_float8_at_all():
     default = lossscale.autocast(
         two_layers, lossscale.Float8(), rules={"dot_general": "float8"}
     )
-    assert fp8_counts(grad_jaxpr(default, params, x)) == {
-        "forward": 2,
-        "backward": 4,
-    }
+    assert_two_float8_layers(default, params, x)
 
 
 def test_function_rules_compute_keeps_a_jitted_function_16_bit():
@@ -322,10 +325,7 @@ def test_function_rules_compute_keeps_a_jitted_function_16_bit():
     other = lossscale.autocast(
         two_layers, lossscale.Float8(), function_rules={"layer": "autocast"}
     )
-    assert fp8_counts(grad_jaxpr(other, params, x)) == {
-        "forward": 2,
-        "backward": 4,
-    }
+    assert_two_float8_layers(other, params, x)
 
 
 @pytest.mark.xfail(
@@ -460,6 +460,8 @@ def test_inf_or_nan_in_input_or_target_gives_non_finite_gradients(recipe):
     # further: a per-tensor scale of 0 or NaN reaches every element).
     params, (x, y) = mlp_params(), batch()
     grad = functools.partial(fp8_grad, recipe)
+    f = lossscale.autocast(mse, lossscale.Float8(recipe))
+    assert_two_float8_layers(f, params, x, y)
 
     def reference(*args):
         return float32_value_and_grad(*args)[1]
@@ -628,6 +630,8 @@ def test_power_of_two_loss_scale_leaves_the_float8_gradients_bitwise(recipe):
     # values do not change. The unscaled gradients are bitwise those of an
     # unscaled loss. A scale that is not a power of two changes them.
     f = lossscale.autocast(mse, lossscale.Float8(recipe))
+    params, (x, y) = mlp_params(), batch()
+    assert_two_float8_layers(f, params, x, y)
     scales = {
         "none": lossscale.NoOpLossScale(),
         "2**12": lossscale.StaticLossScale(2.0**12),
@@ -643,7 +647,7 @@ def test_power_of_two_loss_scale_leaves_the_float8_gradients_bitwise(recipe):
             for name, scale in scales.items()
         }
 
-    grads = unscaled_grads(mlp_params(), *batch())
+    grads = unscaled_grads(params, x, y)
     assert all_finite(grads["none"])
     assert_trees_bitwise_equal(grads["2**12"], grads["none"])
     with pytest.raises(AssertionError):  # the negative control
@@ -713,6 +717,7 @@ def test_multi_steps_skips_an_effective_batch_with_a_non_finite_micro_batch():
     )
     step = make_step(f, tx)
     params, (x, y) = mlp_params(), batch()
+    assert_two_float8_layers(f, params, x, y)
     state = tx.init(params)
     # A finite micro-batch, then one with an inf: nothing is applied, and
     # the scale backs off once.
@@ -975,10 +980,7 @@ def test_explicit_mesh_batch_and_model_parallel_weights(recipe):
         params = {name: place(w, specs[name]) for name, w in params.items()}
         x, y = place((x, y), P("data", None))
         f = lossscale.autocast(model_parallel_mse, lossscale.Float8(recipe))
-        assert fp8_counts(grad_jaxpr(f, params, x, y)) == {
-            "forward": 2,
-            "backward": 4,
-        }
+        assert_two_float8_layers(f, params, x, y)
         grads = jax.jit(jax.grad(f))(params, x, y)
     for name, g in grads.items():
         assert _compat.spec(g) == _compat.spec(params[name])
