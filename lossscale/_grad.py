@@ -67,19 +67,29 @@ def value_and_grad(
 
     The gradients it returns are *marked* with the scale they were scaled
     by (and the axes they were averaged over), and ``tx.update`` checks
-    the mark, so that three slips cannot go silently wrong (see the
+    the mark, so that these slips cannot go silently wrong (see the
     guide's "Guarantees"):
 
     - gradients that ``value_and_grad`` did not return (plain
-      ``jax.grad``: unscaled) are refused by ``tx.update`` with a
-      ``TypeError``, at trace time;
-    - gradients scaled by another scale than the state ``tx.update`` gets
-      (``value_and_grad`` given an earlier ``opt_state``) skip the step,
-      as a non-finite step does, without adjusting the scale: a check of
-      one scalar on the device;
+      ``jax.grad``: unscaled), or arrays made from them on the way (by a
+      transformation chained before ``loss_scaled``, a hand-written
+      ``unscale``, a ``lax.pmean``, ``optax.MultiSteps``), are refused by
+      ``tx.update`` with a ``TypeError`` naming the mistake, at trace
+      time;
+    - an ``opt_state`` captured from outside the jitted step (the initial
+      one, closed over) while ``tx.update`` gets the step's own is refused
+      with a ``ValueError`` at trace time, where its scale adapts;
+    - gradients scaled by another traced scale than the state
+      ``tx.update`` gets (``value_and_grad`` given another ``opt_state``)
+      skip the step, as a non-finite step does, without adjusting the
+      scale: a check of one scalar on the device (counted, and raised
+      after a patience, with ``loss_scaled(..., on_min_scale="error")``);
     - under ``jax.pmap`` (or a ``shard_map`` with ``check_vma=False``),
       gradients not averaged over an axis that ``loss_scaled``'s
       ``axis_name`` names are refused at trace time: pass the axis here.
+
+    ``fun`` must return the plain loss: a loss scale's ``scale()`` called
+    inside it would scale the loss twice, and raises a ``ValueError``.
 
     The mark belongs to the returned arrays themselves (it is kept, weakly,
     beside them, and nothing of it is compiled): pass them to ``tx.update``
@@ -143,7 +153,9 @@ def value_and_grad(
             but a pair with it).
         ValueError: if ``opt_state`` holds several
             :class:`LossScaledState` s; and, in the returned function, if
-            ``axis_name`` names an axis that is not mapped there, or under
+            ``fun`` calls a loss scale's ``scale()`` (the loss would be
+            scaled twice), if ``axis_name`` names an axis that is not
+            mapped there, or under
             a ``shard_map`` with ``check_vma=True``, if a gradient does not
             vary over an axis of ``axis_name`` (see ``axis_name``).
 

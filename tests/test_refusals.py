@@ -259,7 +259,7 @@ def test_an_unscale_for_logging_leaves_the_step_alone():
 
     @jax.jit
     def step(params, opt_state):
-        loss, grads = lossscale.value_and_grad(loss_fn, opt_state)(params, X, Y)
+        _, grads = lossscale.value_and_grad(loss_fn, opt_state)(params, X, Y)
         true = lossscale.get_loss_scale(opt_state).unscale(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, true["w"][0, 0]
@@ -303,7 +303,7 @@ def test_value_and_grad_axis_name_under_shard_map_trains():
     tx = make_tx(axis_name="batch")
 
     def step(params, opt_state, x, y):
-        loss, grads = lossscale.value_and_grad(
+        _, grads = lossscale.value_and_grad(
             loss_fn, opt_state, axis_name="batch"
         )(params, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
