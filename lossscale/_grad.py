@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
 
 from lossscale import (
@@ -28,6 +29,7 @@ from lossscale import (
     _tree,
 )
 from lossscale._scales import LossScale
+from lossscale._transform import LossScaledState
 
 
 def value_and_grad(
@@ -65,19 +67,29 @@ def value_and_grad(
 
     The gradients it returns are *marked* with the scale they were scaled
     by (and the axes they were averaged over), and ``tx.update`` checks
-    the mark, so that three slips cannot go silently wrong (see the
+    the mark, so that these slips cannot go silently wrong (see the
     guide's "Guarantees"):
 
     - gradients that ``value_and_grad`` did not return (plain
-      ``jax.grad``: unscaled) are refused by ``tx.update`` with a
-      ``TypeError``, at trace time;
-    - gradients scaled by another scale than the state ``tx.update`` gets
-      (``value_and_grad`` given an earlier ``opt_state``) skip the step,
-      as a non-finite step does, without adjusting the scale: a check of
-      one scalar on the device;
+      ``jax.grad``: unscaled), or arrays made from them on the way (by a
+      transformation chained before ``loss_scaled``, a hand-written
+      ``unscale``, a ``lax.pmean``, ``optax.MultiSteps``), are refused by
+      ``tx.update`` with a ``TypeError`` naming the mistake, at trace
+      time;
+    - an ``opt_state`` captured from outside the jitted step (the initial
+      one, closed over) while ``tx.update`` gets the step's own is refused
+      with a ``ValueError`` at trace time, where its scale adapts;
+    - gradients scaled by another traced scale than the state
+      ``tx.update`` gets (``value_and_grad`` given another ``opt_state``)
+      skip the step, as a non-finite step does, without adjusting the
+      scale: a check of one scalar on the device (counted, and raised
+      after a patience, with ``loss_scaled(..., on_min_scale="error")``);
     - under ``jax.pmap`` (or a ``shard_map`` with ``check_vma=False``),
       gradients not averaged over an axis that ``loss_scaled``'s
       ``axis_name`` names are refused at trace time: pass the axis here.
+
+    ``fun`` must return the plain loss: a loss scale's ``scale()`` called
+    inside it would scale the loss twice, and raises a ``ValueError``.
 
     The mark belongs to the returned arrays themselves (it is kept, weakly,
     beside them, and nothing of it is compiled): pass them to ``tx.update``
@@ -141,7 +153,9 @@ def value_and_grad(
             but a pair with it).
         ValueError: if ``opt_state`` holds several
             :class:`LossScaledState` s; and, in the returned function, if
-            ``axis_name`` names an axis that is not mapped there, or under
+            ``fun`` calls a loss scale's ``scale()`` (the loss would be
+            scaled twice), if ``axis_name`` names an axis that is not
+            mapped there, or under
             a ``shard_map`` with ``check_vma=True``, if a gradient does not
             vary over an axis of ``axis_name`` (see ``axis_name``).
 
@@ -184,12 +198,14 @@ def value_and_grad(
         raise TypeError(f"has_aux must be a bool, got has_aux={has_aux!r}.")
     axes = _checks.axis_name(axis_name)
     scale = _resolve(opt_state)
+    source, nested = _provenance(opt_state, scale)
     options: dict[str, Any] = {"has_aux": True}
     if argnums is not None:
         options["argnums"] = argnums
 
     def scaled(*args: Any, **kwargs: Any) -> tuple[Any, tuple[Any, Any]]:
-        out = fun(*args, **kwargs)
+        with _marks.in_loss(True):  # a scale() in fun would scale twice
+            out = fun(*args, **kwargs)
         if has_aux:
             if not (isinstance(out, tuple) and len(out) == 2):
                 raise TypeError(
@@ -207,7 +223,8 @@ def value_and_grad(
             loss, aux = out, None
         # The true loss leaves as an auxiliary output: no second pass, and
         # no division of a scaled loss that may have overflowed.
-        return scale.scale(loss), (loss, aux)
+        with _marks.in_loss(False):
+            return scale.scale(loss), (loss, aux)
 
     grad_fn = via(scaled, **options)
 
@@ -217,7 +234,13 @@ def value_and_grad(
             grads = _mean_over(grads, axes)
         names = () if axes is None else axes
         names = names if isinstance(names, tuple) else (names,)
-        _marks.mark(grads, _scale_value(scale), frozenset(names))
+        _marks.mark(
+            grads,
+            _scale_value(scale),
+            frozenset(names),
+            source=source,
+            nested=nested,
+        )
         return ((loss, aux) if has_aux else loss), grads
 
     return loss_and_scaled_grads
@@ -226,6 +249,50 @@ def value_and_grad(
 def _scale_value(scale: LossScale) -> jax.Array:
     """The float32 scale ``scale.scale`` multiplies by (clamped as used)."""
     return jnp.asarray(_scales.in_range(scale).loss_scale, jnp.float32)
+
+
+def _provenance(opt_state: Any, scale: LossScale) -> tuple[Any, str | None]:
+    """The scale leaf as ``opt_state`` holds it (unclamped), and where the
+    :class:`LossScaledState` sits in ``opt_state`` when that makes
+    gradients arrive unmarked in its ``update``: ``"chain"`` (after other
+    transformations of an ``optax.chain``, whose states come first in its
+    tuple) or ``"multisteps"`` (inside ``optax.MultiSteps``)."""
+    if isinstance(opt_state, LossScale):
+        return _raw_scale(opt_state), None
+    leaves, _ = jax.tree_util.tree_flatten_with_path(
+        opt_state, is_leaf=lambda x: isinstance(x, LossScaledState)
+    )
+    for path, leaf in leaves:
+        if isinstance(leaf, LossScaledState):
+            raw = _interop.unwrap_variables(leaf.loss_scale)
+            return _raw_scale(raw), _nesting(opt_state, path)
+    return _raw_scale(scale), None
+
+
+def _raw_scale(scale: Any) -> Any:
+    """A built-in scale's own leaf (not a value computed from it)."""
+    if isinstance(scale, _scales.StaticLossScale | _scales.DynamicLossScale):
+        return scale.loss_scale
+    return None
+
+
+def _nesting(opt_state: Any, path: Any) -> str | None:
+    node, nested = opt_state, None
+    for key in path:
+        if isinstance(node, optax.MultiStepsState):
+            nested = nested or "multisteps"
+        if isinstance(key, jax.tree_util.SequenceKey):
+            # optax.chain's state is a plain tuple, one state per link.
+            if type(node) is tuple and key.idx > 0:
+                nested = "chain"
+            node = node[key.idx]
+        elif isinstance(key, jax.tree_util.GetAttrKey):
+            node = getattr(node, key.name)
+        elif isinstance(key, jax.tree_util.DictKey):
+            node = node[key.key]
+        else:  # a node of some other library: stop looking
+            break
+    return nested
 
 
 def _pmean(

@@ -120,7 +120,9 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
     ``"nonfinite_leaves"`` counts the gradient leaves that held an inf or
     NaN in the last step (int32; :func:`nonfinite_paths` names them); with
     ``on_min_scale="error"`` or ``"count"``, ``"min_scale_skips"`` counts
-    the consecutive skipped steps that ran at the minimum scale; with
+    the consecutive skipped steps that ran at the minimum scale, and
+    ``"stale_scale_skips"`` the consecutive steps skipped because their
+    gradients were scaled by another scale than the state's; with
     ``report_grad_norm=True``, ``"grad_norm"`` is the global L2 norm of the
     last step's unscaled gradients (float32). With
     :func:`loss_scaled_by_group` the per-scale keys carry the group label:
@@ -151,6 +153,10 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
         out["min_scale_skips"] = jnp.asarray(state.min_scale_skips, jnp.int32)
     if state.grad_norm is not None:
         out["grad_norm"] = jnp.asarray(state.grad_norm, jnp.float32)
+    if state.stale_scale_skips is not None:
+        out["stale_scale_skips"] = jnp.asarray(
+            state.stale_scale_skips, jnp.int32
+        )
     scales = state.loss_scale
     grouped = isinstance(scales, dict)
     for label, scale in scales.items() if grouped else [(None, scales)]:

@@ -4,9 +4,15 @@
 returns with a :class:`Mark`: the loss scale it multiplied the loss by,
 and the mapped axes it averaged the gradients over. ``tx.update`` of a
 :func:`lossscale.loss_scaled` optimizer looks its gradients up here: it
-refuses unmarked gradients (plain ``jax.grad``), compares the marked scale
-with its state's on the device (a stale scale skips the step), and refuses
-gradients a data-parallel step never averaged.
+refuses unmarked gradients (plain ``jax.grad``) with a message naming the
+mistake that made them, compares the marked scale with its state's (at
+trace time where the trace tells, else on the device: a stale scale skips
+the step), and refuses gradients a data-parallel step never averaged.
+
+Two more slips are caught here: a loss scale's ``scale`` called inside
+the function ``value_and_grad`` differentiates (the loss scaled twice), and
+gradients unscaled by hand before ``tx.update`` (unscaled twice; the
+built-in scales' ``unscale`` records what it returns).
 
 The record is trace-time bookkeeping keyed by the leaf objects themselves
 (arrays eagerly, tracers under a transformation), held weakly: a leaf is
@@ -17,9 +23,11 @@ boundary) is a new object, and unmarked.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import weakref
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -33,54 +41,120 @@ class Mark(NamedTuple):
 
     scale: Any  # the float32 scalar the loss was multiplied by
     averaged: frozenset[Hashable]  # the axes it lax.pmean-ed over
+    # The state's own scale leaf that value_and_grad read (unclamped), to
+    # tell at trace time a scale captured from outside the trace; None for
+    # a scale with no such leaf.
+    source: Any = None
+    # Where the LossScaledState sat in the opt_state value_and_grad got,
+    # when that explains unmarked gradients in tx.update: "chain" (after
+    # other transformations of an optax.chain) or "multisteps" (inside an
+    # optax.MultiSteps). None otherwise.
+    nested: str | None = None
 
 
 _MARKS: dict[int, tuple[weakref.ref[Any], Mark]] = {}
+# Leaves a built-in loss scale's unscale returned outside tx.update: the
+# gradients of a hand-written unscale, named in tx.update's refusal.
+_UNSCALED: dict[int, tuple[weakref.ref[Any], bool]] = {}
+
+# Inside tx.update, which unscales by itself: its unscale marks nothing.
+_QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "lossscale_marks_quiet", default=False
+)
+# Inside the function given to value_and_grad, which scales its loss.
+_IN_LOSS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "lossscale_in_loss", default=False
+)
 
 
-def _forget(key: int, ref: weakref.ref[Any]) -> None:
-    entry = _MARKS.get(key)
+def _forget(registry: dict[int, Any], key: int, ref: weakref.ref[Any]) -> None:
+    entry = registry.get(key)
     if entry is not None and entry[0] is ref:
-        del _MARKS[key]
+        del registry[key]
 
 
-def mark(tree: Any, scale: Any, averaged: frozenset[Hashable]) -> None:
-    """Records every floating leaf of ``tree`` as scaled by ``scale``."""
-    record = Mark(scale, averaged)
-    for leaf in jax.tree.leaves(tree):
-        if not _tree.is_float(leaf):
-            continue
-        key = id(leaf)
-        try:
-            ref = weakref.ref(leaf, lambda r, key=key: _forget(key, r))
-        except TypeError:  # a leaf that cannot be referenced weakly
-            continue
-        _MARKS[key] = (ref, record)
+def _remember(registry: dict[int, Any], leaf: Any, value: Any) -> None:
+    key = id(leaf)
+    try:
+        ref = weakref.ref(leaf, lambda r, key=key: _forget(registry, key, r))
+    except TypeError:  # a leaf that cannot be referenced weakly
+        return
+    registry.pop(key, None)  # the latest record last (see _origin)
+    registry[key] = (ref, value)
 
 
-def lookup(leaf: Any) -> Mark | None:
-    """The mark of ``leaf`` itself, or ``None``."""
-    entry = _MARKS.get(id(leaf))
+def _recall(registry: dict[int, Any], leaf: Any) -> Any:
+    entry = registry.get(id(leaf))
     if entry is None or entry[0]() is not leaf:
         return None
     return entry[1]
 
 
-_UNMARKED = (
-    "tx.update of a lossscale.loss_scaled optimizer takes the gradients "
-    "that lossscale.value_and_grad(loss_fn, opt_state) returns (scaled by "
-    "the state's loss scale, and marked with it), but the gradient at "
-    "{path} is not one of them: gradients of plain jax.grad are not scaled "
-    "(training would be wrong by the scale), and an array made from marked "
-    "ones is a new, unmarked array (a lax.pmean: pass axis_name to "
-    "lossscale.value_and_grad instead; an accumulation: use "
-    "lossscale.MultiSteps; a jax.jit boundary between the two: call both in "
-    "one jitted step). If you scaled the loss yourself, say by what: "
-    "tx.update(grads, opt_state, params, scaled_by=scale), with scale = "
-    "lossscale.get_loss_scale(opt_state) the scale you multiplied the loss "
-    "by; or build the optimizer with loss_scaled(..., "
-    "require_scaled_by=False) to take any gradients unchecked."
-)
+def mark(
+    tree: Any,
+    scale: Any,
+    averaged: frozenset[Hashable],
+    *,
+    source: Any = None,
+    nested: str | None = None,
+) -> None:
+    """Records every floating leaf of ``tree`` as scaled by ``scale``."""
+    record = Mark(scale, averaged, source, nested)
+    for leaf in jax.tree.leaves(tree):
+        if _tree.is_float(leaf):
+            _remember(_MARKS, leaf, record)
+
+
+def lookup(leaf: Any) -> Mark | None:
+    """The mark of ``leaf`` itself, or ``None``."""
+    return _recall(_MARKS, leaf)
+
+
+def note_unscaled(tree: Any) -> None:
+    """Records the floating leaves a loss scale's ``unscale`` returned,
+    unless ``tx.update`` itself is unscaling (see :func:`quiet`)."""
+    if _QUIET.get():
+        return
+    for leaf in jax.tree.leaves(tree):
+        if _tree.is_float(leaf):
+            _remember(_UNSCALED, leaf, True)
+
+
+@contextlib.contextmanager
+def _setting(var: contextvars.ContextVar[bool], value: bool) -> Iterator[None]:
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def quiet() -> contextlib.AbstractContextManager[None]:
+    """``tx.update``'s own unscaling: not a hand-written one."""
+    return _setting(_QUIET, True)
+
+
+def in_loss(inside: bool) -> contextlib.AbstractContextManager[None]:
+    """Whether the code run in this context is the loss function given to
+    :func:`lossscale.value_and_grad` (``True``), or value_and_grad's own
+    scaling of its result (``False``)."""
+    return _setting(_IN_LOSS, inside)
+
+
+def refuse_double_scaling() -> None:
+    """Refuses a loss scale's ``scale`` inside the loss function that
+    :func:`lossscale.value_and_grad` is differentiating: the loss would be
+    scaled twice."""
+    if _IN_LOSS.get():
+        raise ValueError(
+            "a loss scale's scale() was called inside the function given to "
+            "lossscale.value_and_grad, which multiplies the loss by the "
+            "scale itself: the gradients would be scaled twice (S**2 times "
+            "the true ones) and the loss it returns would be the scaled one. "
+            "Return the plain loss from the function and let "
+            "lossscale.value_and_grad scale it; scale by hand only with "
+            "plain jax.grad (then pass tx.update(..., scaled_by=scale))."
+        )
 
 
 def same_scale(
@@ -91,15 +165,21 @@ def same_scale(
     *,
     axis_name: Hashable | tuple[Hashable, ...] | None,
     required: bool,
+    sources: dict[Hashable, Any] | None = None,
 ) -> Any:
     """Whether the gradients were scaled by the state's loss scale.
 
-    ``checked`` lists ``(path, index)`` of the leaves ``update`` unscales.
-    Returns a boolean scalar (on the device under tracing), or ``None``
-    where there is nothing to compare: no leaf to unscale, or unmarked
-    gradients accepted unchecked (``required=False``). Raises a
-    ``TypeError`` for unmarked gradients when ``required``, and a
-    ``ValueError`` for gradients a data-parallel step never averaged.
+    ``checked`` lists ``(path, index)`` of the leaves ``update`` unscales;
+    ``sources`` holds each group's scale leaf as the state holds it
+    (unclamped), to compare with the leaf ``value_and_grad`` read. Returns
+    a boolean scalar (on the device under tracing), or ``None`` where there
+    is nothing to compare: no leaf to unscale, unmarked gradients accepted
+    unchecked (``required=False``), or gradients marked with the very leaf
+    the state holds (the same traced value: the same scale). Raises a
+    ``TypeError`` for unmarked gradients when ``required``, saying which
+    mistake made them; a ``ValueError`` for gradients a data-parallel step
+    never averaged, and for gradients scaled by a scale captured from
+    outside the traced step while the state's is traced (a stale state).
     """
     scales = {k: _value(v) for k, v in groups.items()}
     if scaled_by is not None:
@@ -112,17 +192,222 @@ def same_scale(
         if found is None:
             if not required:
                 return None
-            raise TypeError(_UNMARKED.format(path=path or "<root>"))
+            raise TypeError(
+                refusal(
+                    path or "<root>",
+                    leaves,
+                    [] if sources is None else list(sources.values()),
+                )
+            )
+        if id(found) not in marks:
+            _refuse_captured(
+                found, path or "<root>", leaves[i], groups, sources
+            )
         marks.setdefault(id(found), found)
     _refuse_unaveraged(list(marks.values()), axis_name)
+    known = [] if sources is None else list(sources.values())
     result = None
     for found in marks.values():
+        if found.source is not None and any(found.source is s for s in known):
+            continue  # read from this very state: nothing to compare
         # With one scale per group the loss was scaled by its group's.
         hit = functools.reduce(
             jnp.logical_or, [found.scale == s for s in scales.values()]
         )
         result = hit if result is None else jnp.logical_and(result, hit)
     return result
+
+
+def _adapts(scale: Any) -> bool:
+    """Whether a loss scale's value can change from step to step (as far
+    as is known: a policy of your own is taken to)."""
+    return not isinstance(
+        scale, _scales.StaticLossScale | _scales.NoOpLossScale
+    )
+
+
+def _refuse_captured(
+    found: Mark,
+    path: str,
+    leaf: Any,
+    groups: dict[Hashable, Any],
+    sources: dict[Hashable, Any] | None,
+) -> None:
+    """Refuses gradients traced in this step but scaled by a concrete scale
+    (read from a state captured from outside the trace, fixed when the
+    step was traced) while the state's adaptive scale is traced: every
+    step after the first change of the scale would be skipped."""
+    if sources is None or found.source is None:
+        return
+    if not _compat.is_tracer(leaf) or _compat.is_tracer(found.source):
+        return
+    traced = [
+        label
+        for label, source in sources.items()
+        if _compat.is_tracer(source) and _adapts(groups[label])
+    ]
+    if traced:
+        raise ValueError(
+            f"the gradient at {path} was scaled by the loss scale of an "
+            "opt_state captured from outside the traced step (a concrete "
+            "value, fixed when the step was traced), while tx.update gets "
+            "the step's own opt_state: lossscale.value_and_grad was given a "
+            "stale opt_state (the initial one, closed over by the step?), "
+            "and every step after the scale first changes would be skipped. "
+            "Give value_and_grad the opt_state the step passes to tx.update: "
+            "lossscale.value_and_grad(loss_fn, opt_state) inside the step."
+        )
+
+
+# --- the refusal of unmarked gradients, one message per mistake -----------
+
+
+def refusal(path: str, leaves: list[Any], sources: list[Any]) -> str:
+    """The ``TypeError`` message for unmarked gradients: which mistake
+    made them, as far as the trace shows, and its fix.
+
+    ``sources`` are the scale leaves of the state ``tx.update`` got. Marked
+    gradients read from one of them (``value_and_grad`` given this very
+    state) show that the unmarked ones were made from them in between:
+    the state says where ``loss_scaled`` sat (after other links of a
+    chain, inside ``optax.MultiSteps``). Unmarked tracers that are inputs
+    of their trace crossed a ``jax.jit`` boundary (or ``optax.MultiSteps``'
+    conditional, if live marked gradients of the same shapes say so): the
+    message covers both origins they may have, as nothing inside the jit
+    tells them apart. Anything else is taken for plain ``jax.grad``, whose
+    message offers ``scaled_by`` only for a loss scaled by hand.
+    """
+    where = f"the gradient at {path}"
+    bad = [x for x in leaves if _tree.is_float(x) and lookup(x) is None]
+    if any(_recall(_UNSCALED, x) for x in bad):
+        return (
+            f"{where} was unscaled by hand (loss_scale.unscale(grads)) "
+            "before tx.update, which unscales by itself: it would be divided "
+            "by the scale twice. Pass tx.update the scaled gradients "
+            "lossscale.value_and_grad returned, as they are; to clip the "
+            "unscaled gradients, chain the clipping inside the wrapper: "
+            "loss_scaled(optax.chain(optax.clip_by_global_norm(1.0), "
+            "optax.adamw(1e-3)), ...) (report_grad_norm=True records their "
+            "norm)."
+        )
+    calls = _live_calls()
+    linked = [
+        found
+        for found, _ in calls
+        if found.source is not None and any(found.source is s for s in sources)
+    ]
+    if linked:
+        return _made_from(where, linked[-1])
+    inputs = {_is_input(x) for x in bad}
+    if bad and all(_compat.is_tracer(x) for x in bad) and False not in inputs:
+        want = _signature(leaves)
+        shaped = [(f, m) for f, m in calls if _signature(m) == want]
+        if shaped and shaped[-1][0].nested == "multisteps":
+            return _MULTISTEPS.format(where=where)
+        # Where this JAX cannot tell an input (None), marked arrays of the
+        # same shapes outside any trace make a jit boundary likely.
+        concrete = [m for _, m in shaped if not _compat.is_tracer(m[0])]
+        if inputs == {True} or concrete:
+            return (
+                f"{where} is an argument of the jax.jit (or other traced "
+                "function) that tx.update runs in, jax.jit(tx.update) say, "
+                "so tx.update cannot see where it was made: the mark "
+                "lossscale.value_and_grad leaves on its gradients stays "
+                "outside, with the arrays it marked. If it comes from "
+                "lossscale.value_and_grad, call both in one jitted train "
+                "step, or pass the scale that call used: jax.jit(tx.update)("
+                "grads, opt_state, params, scaled_by=lossscale.get_loss_scale("
+                "opt_state)). If it comes from plain jax.grad, it is not "
+                "scaled at all: compute it with lossscale.value_and_grad("
+                "loss_fn, opt_state) instead."
+            )
+    return (
+        "tx.update of a lossscale.loss_scaled optimizer takes the gradients "
+        f"lossscale.value_and_grad returns, but {where} is not one of them: "
+        "gradients of plain jax.grad (or jax.value_and_grad) are not "
+        "scaled, and tx.update, which divides by the loss scale, would "
+        "train that many times too slowly. Compute them with "
+        "lossscale.value_and_grad(loss_fn, opt_state)(params, ...), in the "
+        "step that passes the same opt_state to tx.update. (Only gradients "
+        "of a loss you multiplied by the loss scale yourself, with "
+        "loss_scale.scale(loss) before jax.grad, may instead say so with "
+        "tx.update(..., scaled_by=loss_scale).)"
+    )
+
+
+_MULTISTEPS = (
+    "{where} is optax.MultiSteps' accumulated mean of the gradients "
+    "lossscale.value_and_grad returned, a new array that carries no mark "
+    "of its scale. Use lossscale.MultiSteps(loss_scaled(...), "
+    "every_k_schedule=k) in place of optax.MultiSteps: it passes the scale "
+    "on, and recovers from an overflowing micro-batch."
+)
+
+
+def _made_from(where: str, found: Mark) -> str:
+    """The message for gradients made from marked ones in between."""
+    if found.nested == "chain":
+        return (
+            f"{where} reached loss_scaled after other transformations of an "
+            "optax.chain (optax.chain(optax.clip_by_global_norm(1.0), "
+            "loss_scaled(...)), or optax.add_decayed_weights before it): "
+            "they ran on the scaled gradients (clipping at S times the "
+            "norm, adding weight decay S times too small) and made new "
+            "arrays. Put loss_scaled outermost, with the rest inside: "
+            "loss_scaled(optax.chain(optax.clip_by_global_norm(1.0), "
+            "optax.adamw(1e-3)), loss_scale)."
+        )
+    if found.nested == "multisteps":
+        return _MULTISTEPS.format(where=where)
+    if _compat.manual_axes():
+        return (
+            f"{where} was made from the gradients lossscale.value_and_grad "
+            "returned, inside a jax.pmap or shard_map (a lax.pmean of "
+            "them?): a new array, which carries no mark of its scale. Let "
+            "value_and_grad average them, and pmean nothing yourself: "
+            "lossscale.value_and_grad(loss_fn, opt_state, axis_name=...)."
+        )
+    return (
+        f"{where} was made from the gradients lossscale.value_and_grad "
+        "returned (a sum, a cast, an accumulation...): a new array, which "
+        "carries no mark of its scale. Pass tx.update value_and_grad's "
+        "gradients as they are: average over devices with "
+        "value_and_grad(..., axis_name=...), accumulate with "
+        "lossscale.MultiSteps. If the new array is still scaled by exactly "
+        "the scale value_and_grad used, say so: tx.update(..., "
+        "scaled_by=lossscale.get_loss_scale(opt_state))."
+    )
+
+
+def _is_input(x: Any) -> bool | None:
+    """Whether a tracer is an input of its trace (a jitted function's
+    argument, a branch's operand) rather than computed in it; ``None``
+    where this JAX does not say (its tracers record no ``parent``)."""
+    # jax >= 0.8's jaxpr tracers keep the equation that made them.
+    parent = getattr(x, "parent", _NO_PARENT)
+    return None if parent is _NO_PARENT else parent is None
+
+
+_NO_PARENT = object()
+
+
+def _signature(leaves: list[Any]) -> list[tuple[tuple[int, ...], str]]:
+    return sorted(
+        (tuple(jnp.shape(x)), str(jnp.result_type(x)))
+        for x in leaves
+        if _tree.is_float(x)
+    )
+
+
+def _live_calls() -> list[tuple[Mark, list[Any]]]:
+    """Each :func:`lossscale.value_and_grad` call whose marked gradients
+    are (partly) alive, with those leaves, the latest last."""
+    calls: dict[int, tuple[Mark, list[Any]]] = {}
+    for ref, found in list(_MARKS.values()):
+        leaf = ref()
+        if leaf is not None:
+            calls.setdefault(id(found), (found, []))[1].append(leaf)
+    return list(calls.values())
 
 
 def _value(scale: Any) -> Any:

@@ -20,6 +20,9 @@ import contextvars
 import dataclasses
 import functools
 import gc
+import math
+import numbers
+import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any, Literal, NamedTuple, cast
 
@@ -78,10 +81,18 @@ class LossScaledState(NamedTuple):
         grad_norm: with ``report_grad_norm=True``, the global L2 norm of
             the last step's unscaled gradients (``shape=(), dtype=float32``;
             0 after ``init``); else ``None``.
+        stale_scale_skips: with ``on_min_scale="error"`` or ``"count"``,
+            the number of consecutive steps skipped because their gradients
+            were scaled by another loss scale than the state's
+            (``value_and_grad`` given another ``opt_state`` than
+            ``tx.update``, or a wrong ``scaled_by``;
+            ``shape=(), dtype=int32``); else ``None``.
 
-    lossscale 0.1's state had the first seven fields only: restore its
-    checkpoints into a dict of those seven fields and complete it with
-    ``LossScaledState(**restored)`` (see the guide's checkpointing section).
+    lossscale 0.1's state had the first seven fields only, 0.2's the first
+    nine: restore their checkpoints into a dict of those fields taken from
+    a fresh target (``tx.init(params)``), and complete it with the
+    target's other fields, ``target._replace(**restored)`` (see the
+    guide's checkpointing section).
     """
 
     loss_scale: Any
@@ -94,6 +105,7 @@ class LossScaledState(NamedTuple):
     nonfinite: jax.Array | None = None
     min_scale_skips: jax.Array | None = None
     grad_norm: jax.Array | None = None
+    stale_scale_skips: jax.Array | None = None
 
 
 # How to skip under tracing. Private: tests and benchmarks compare the two
@@ -162,11 +174,18 @@ def loss_scaled(
        :class:`LossScale` such as ``lossscale.get_loss_scale(opt_state)``
        or its value; for :func:`loss_scaled_by_group`, a dict of them).
        Other gradients (plain ``jax.grad``, not scaled at all) raise a
-       ``TypeError`` at trace time, unless ``require_scaled_by=False``.
-       Gradients scaled by another scale than the state's (a stale
-       ``opt_state`` given to ``value_and_grad``) make the step a skipped
-       one, as in 4., and leave the scale unadjusted: a comparison of one
-       scalar on the device. Under ``jax.pmap`` with ``axis_name``,
+       ``TypeError`` at trace time, unless ``require_scaled_by=False``;
+       its message names the mistake that made them where the trace shows
+       it (a transformation chained before ``loss_scaled``, a hand-written
+       ``unscale``, a ``lax.pmean``, ``optax.MultiSteps``, a ``jax.jit``
+       boundary). Gradients scaled by a concrete scale while the state's
+       adaptive one is traced (an ``opt_state`` closed over by the jitted
+       step) raise a ``ValueError`` at trace time. Gradients scaled by
+       another scale than the state's (another ``opt_state`` given to
+       ``value_and_grad``) make the step a skipped one, as in 4., and
+       leave the scale unadjusted: a comparison of one scalar on the
+       device, left out where the trace shows that the mark was read from
+       the state's own scale. Under ``jax.pmap`` with ``axis_name``,
        gradients that ``value_and_grad`` did not average over it are
        refused (a ``ValueError``): the replicas would drift apart;
     1. unscales the gradients with the current scale (in float32; each leaf
@@ -229,10 +248,16 @@ def loss_scaled(
             host_callbacks``). ``"count"`` is the export-friendly form:
             the state counts ``min_scale_skips`` exactly as with
             ``"error"``, nothing is raised, and the host stops the run when
-            ``metrics(opt_state)["min_scale_skips"] >= patience``.
+            ``metrics(opt_state)["min_scale_skips"] >= patience``. Both
+            also count ``stale_scale_skips``: the consecutive steps skipped
+            because the gradients were scaled by another scale than the
+            state's (``value_and_grad`` given another ``opt_state``), which
+            no change of the scale ends; ``"error"`` raises a
+            ``FloatingPointError`` that says so once there were
+            ``min_scale_patience`` of them.
         min_scale_patience: the number of such consecutive skipped steps
-            before ``on_min_scale="error"`` raises (unused by ``"count"``);
-            a positive int.
+            (of either kind) before ``on_min_scale="error"`` raises (unused
+            by ``"count"``); a positive int.
         report_nonfinite: record in the state which gradient leaves held an
             inf or NaN in the last step (agreed over ``axis_name``), for
             :func:`lossscale.nonfinite_paths` and the ``nonfinite_leaves``
@@ -457,6 +482,14 @@ def _check_loss_scale(loss_scale: Any, name: str) -> LossScale:
             f"{name} must be a loss-scale instance, got the class "
             f"{loss_scale.__name__}; did you mean {loss_scale.__name__}()?"
         )
+    number = _as_number(loss_scale)
+    if number is not None:
+        raise TypeError(
+            f"{name} must be a loss scale, not a number: got "
+            f"{name}={loss_scale!r}. For a fixed scale pass "
+            f"lossscale.StaticLossScale({number}); for one that backs off "
+            f"on overflow and grows, lossscale.DynamicLossScale({number})."
+        )
     if not isinstance(loss_scale, LossScale):
         raise TypeError(
             f"{name} must implement the lossscale.LossScale protocol "
@@ -465,6 +498,59 @@ def _check_loss_scale(loss_scale: Any, name: str) -> LossScale:
             f"type {type(loss_scale).__name__}."
         )
     return loss_scale
+
+
+def _as_number(value: Any) -> str | None:
+    """A real scalar as it would be written in code (``2.0**15`` for a
+    power of two), or ``None`` if ``value`` is not one."""
+    if isinstance(value, bool | np.bool_) or not (
+        isinstance(value, numbers.Real)
+        or (
+            isinstance(value, np.ndarray | np.generic | jax.Array)
+            and np.ndim(value) == 0
+            and jnp.issubdtype(jnp.result_type(value), jnp.number)
+            and not _compat.is_tracer(value)
+        )
+    ):
+        return None
+    x = float(cast(Any, value))
+    mantissa, exponent = math.frexp(x)
+    if mantissa == 0.5 and abs(exponent - 1) > 6:
+        return f"2.0**{exponent - 1}"
+    return repr(x)
+
+
+def _warn_narrow_params(spec: _Spec, params: Any) -> None:
+    """Warns, naming the leaves, of float16 (or float8) parameters that
+    this wrapper updates: an update below half a unit in the last place of
+    a weight is rounded away when it is applied (float16 holds 11 bits: an
+    update 2**-12 of the weight is lost), the underflow loss scaling is
+    there to prevent, and Adam's ``eps`` (1e-8) is 0 in float16."""
+    with_paths, _ = jax.tree_util.tree_flatten_with_path(params)
+    mask = jax.tree.leaves(_tree.resolve_mask(spec.mask, params))
+    narrow = [
+        (jax.tree_util.keystr(path) or "<root>", jnp.result_type(leaf))
+        for (path, leaf), trained in zip(with_paths, mask, strict=True)
+        if trained
+        and _tree.is_float(leaf)
+        and jnp.issubdtype(jnp.result_type(leaf), jnp.floating)
+        and _tree.narrower_range_than_float32(jnp.result_type(leaf))
+    ]
+    if not narrow:
+        return
+    named = ", ".join(f"{path} ({dtype})" for path, dtype in narrow[:3])
+    if len(narrow) > 3:
+        named += f" and {len(narrow) - 3} more"
+    warnings.warn(
+        f"lossscale.loss_scaled: 16-bit master weights, the parameters at "
+        f"{named}. An update smaller than half a weight's resolution (2**-12 "
+        "of it in float16) is rounded away when applied, which is the "
+        "underflow loss scaling exists to prevent, and Adam's eps is 0 in "
+        "float16. Keep the parameters in float32 and compute in 16 bits "
+        "with lossscale.autocast(loss_fn, jnp.float16).",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _metrics_of(scale: Any) -> dict[str, jax.Array]:
@@ -575,6 +661,8 @@ def _transformation(spec: _Spec) -> optax.GradientTransformationExtraArgs:
         if spec.report_nonfinite:
             n = len(_tree.leaves_and_nones(like))
             leaves = jnp.zeros((n,), jnp.bool_)
+        _warn_narrow_params(spec, like)
+        counting = spec.on_min_scale != "ignore"
         return LossScaledState(
             loss_scale=_public(spec, spec.initial),
             inner_state=spec.inner.init(params),
@@ -584,14 +672,11 @@ def _transformation(spec: _Spec) -> optax.GradientTransformationExtraArgs:
             steps=jnp.zeros((), jnp.int32),
             last_skip_step=jnp.full((), -1, jnp.int32),
             nonfinite=leaves,
-            min_scale_skips=(
-                jnp.zeros((), jnp.int32)
-                if spec.on_min_scale != "ignore"
-                else None
-            ),
+            min_scale_skips=jnp.zeros((), jnp.int32) if counting else None,
             grad_norm=(
                 jnp.zeros((), jnp.float32) if spec.report_grad_norm else None
             ),
+            stale_scale_skips=jnp.zeros((), jnp.int32) if counting else None,
         )
 
     def update_fn(
@@ -661,6 +746,7 @@ def _update(
         scaled_by,
         axis_name=spec.axis_name,
         required=spec.require_scaled_by,
+        sources=_sources(spec, state.loss_scale),
     )
     if spec.report_nonfinite:
         _check_report_size(state, plan)
@@ -690,12 +776,13 @@ def _update(
         # overflow: the scale stays as it was.
         new_groups = _marks.keep_unless(same_scale, new_groups, groups)
     counters = _next_counters(state, finite)
-    min_scale_skips = None
+    min_scale_skips = stale_scale_skips = None
     if spec.on_min_scale != "ignore":
-        min_scale_skips = _min_scale_alarm(
+        min_scale_skips, stale_scale_skips = _min_scale_alarm(
             groups,
             group_finite,
-            state.min_scale_skips,
+            same_scale,
+            state,
             spec.min_scale_patience if spec.on_min_scale == "error" else None,
         )
     return updates, counters._replace(
@@ -704,7 +791,20 @@ def _update(
         nonfinite=nonfinite,
         min_scale_skips=min_scale_skips,
         grad_norm=grad_norm,
+        stale_scale_skips=stale_scale_skips,
     )
+
+
+def _sources(spec: _Spec, loss_scale: Any) -> dict[Hashable, Any]:
+    """Each group's scale leaf as the state holds it, before any clamping:
+    the leaf ``value_and_grad`` read, if it was given this state."""
+    scales = dict(loss_scale) if spec.grouped else {_SINGLE: loss_scale}
+    return {
+        label: getattr(scale, "loss_scale", None)
+        if isinstance(scale, _scales.StaticLossScale | _scales.DynamicLossScale)
+        else None
+        for label, scale in scales.items()
+    }
 
 
 def _check_structure(grads: Any, params: Any) -> None:
@@ -849,9 +949,10 @@ class _Unscaled:
         if label not in self._done:
             idx = self._plan.members[label]
             leaves = [self._plan.leaves[i] for i in idx]
-            self._done[label] = (
-                list(self._groups[label].unscale(leaves)) if idx else []
-            )
+            with _marks.quiet():  # not a hand-written unscale
+                self._done[label] = (
+                    list(self._groups[label].unscale(leaves)) if idx else []
+                )
         return self._done[label]
 
     def all(self) -> list[Any]:
@@ -1045,57 +1146,91 @@ def _next_counters(
 def _min_scale_alarm(
     groups: Groups,
     group_finite: jax.Array,
-    min_scale_skips: jax.Array | None,
+    same_scale: Any,
+    state: LossScaledState,
     patience: int | None,
-) -> jax.Array:
-    """Counts skips at the minimum; raises once there were ``patience``
-    (never if ``patience`` is ``None``: ``on_min_scale="count"``).
+) -> tuple[jax.Array, jax.Array]:
+    """Counts skips at the minimum and skips on a stale scale; raises once
+    either count reaches ``patience`` (never if ``patience`` is ``None``:
+    ``on_min_scale="count"``).
 
-    A skipped step counts when a group whose gradients were not finite was
-    already at its minimum scale when the step ran: lowering that scale no
-    longer helps. Any other step resets the count.
+    A skipped step counts as one at the minimum when a group whose
+    gradients were not finite was already at its minimum scale when the
+    step ran: lowering that scale no longer helps. It counts as stale when
+    its gradients were scaled by another scale than the state's
+    (``same_scale`` false): the scale is not adjusted by such a step, so
+    nothing ends the skips but a change to the train step. Any other step
+    resets the count. One conditional serves both.
     """
-    if min_scale_skips is None:
+    if state.min_scale_skips is None or state.stale_scale_skips is None:
+        missing = (
+            "min_scale_skips"
+            if state.min_scale_skips is None
+            else "stale_scale_skips"
+        )
         raise ValueError(
             'on_min_scale="error" (or "count") needs a state made by this '
-            "transformation's init (its min_scale_skips is None: a "
-            'checkpoint saved with on_min_scale="ignore"?).'
+            f"transformation's init (its {missing} is None: a checkpoint "
+            'saved with on_min_scale="ignore", or by lossscale 0.2?).'
         )
     at_min = jnp.stack(
         [jnp.asarray(_metrics_of(s)["at_min_scale"]) for s in groups.values()]
     )
     hit = jnp.any(jnp.logical_not(group_finite) & at_min)
-    count = jnp.where(hit, optax.safe_increment(min_scale_skips), 0)
+    count = jnp.where(hit, optax.safe_increment(state.min_scale_skips), 0)
     count = count.astype(jnp.int32)
+    stale = jnp.zeros((), jnp.int32)
+    if same_scale is not None:
+        stale = jnp.where(
+            same_scale, 0, optax.safe_increment(state.stale_scale_skips)
+        ).astype(jnp.int32)
     if patience is None:
-        return count
-    stuck = count >= patience
+        return count, stale
+    stuck = (count >= patience) | (stale >= patience)
     scales = jnp.stack([jnp.asarray(s.loss_scale) for s in groups.values()])
     if not _compat.is_tracer(stuck):
-        _raise_stuck_at_min(stuck, count, scales)
+        _raise_stuck(stuck, count, stale, scales, patience)
     else:
         lax.cond(
             stuck,
             lambda: jax.debug.callback(
-                _raise_stuck_at_min, stuck, count, scales
+                functools.partial(_raise_stuck, patience=patience),
+                stuck,
+                count,
+                stale,
+                scales,
             ),
             lambda: None,
         )
-    return count
+    return count, stale
 
 
-def _raise_stuck_at_min(
+def _raise_stuck(
     stuck: jax.Array | np.ndarray,
     skips: jax.Array | np.ndarray,
+    stale: jax.Array | np.ndarray,
     scales: jax.Array | np.ndarray,
+    patience: int,
 ) -> None:
-    if stuck:
+    if not stuck:
+        return
+    values = ", ".join(f"{float(s):g}" for s in scales)
+    if int(stale) >= patience:
         raise FloatingPointError(
-            f"lossscale: {int(skips)} consecutive steps had non-finite "
-            "gradients with the loss scale at its minimum "
-            f"({', '.join(f'{float(s):g}' for s in scales)}). Lowering the "
-            "scale no longer helps: the loss or the gradients themselves "
-            "are inf or NaN. Check the inputs and labels for NaN/inf, the "
-            "learning rate and any division or log in the loss; or lower "
-            "min_loss_scale if the gradients are genuinely that large."
+            f"lossscale: {int(stale)} consecutive steps were skipped because "
+            "their gradients were scaled by another loss scale than the "
+            f"state's ({values}): lossscale.value_and_grad was given another "
+            "opt_state than tx.update (an earlier one, or another "
+            "optimizer's), or scaled_by is not the scale the loss was "
+            "multiplied by. Such a skip leaves the scale as it is, so they "
+            "never end. Give value_and_grad the opt_state the step passes "
+            "to tx.update."
         )
+    raise FloatingPointError(
+        f"lossscale: {int(skips)} consecutive steps had non-finite "
+        f"gradients with the loss scale at its minimum ({values}). Lowering "
+        "the scale no longer helps: the loss or the gradients themselves "
+        "are inf or NaN. Check the inputs and labels for NaN/inf, the "
+        "learning rate and any division or log in the loss; or lower "
+        "min_loss_scale if the gradients are genuinely that large."
+    )

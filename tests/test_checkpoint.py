@@ -185,6 +185,66 @@ def test_flax_bytes_of_01_restore_through_the_same_recipe():
     assert_trees_bitwise_equal(resumed, straight)
 
 
+class StateOf02(NamedTuple):
+    """lossscale 0.2's LossScaledState: 0.1's fields, then two more."""
+
+    loss_scale: Any
+    inner_state: Any
+    grads_finite: Any
+    skipped_steps: Any
+    consecutive_skips: Any
+    steps: Any
+    last_skip_step: Any
+    nonfinite: Any = None
+    min_scale_skips: Any = None
+
+
+def erroring_tx():
+    return lossscale.loss_scaled(
+        optax.sgd(0.1),
+        lossscale.DynamicLossScale(8.0),
+        on_min_scale="error",
+        require_scaled_by=False,
+    )
+
+
+@pytest.mark.parametrize("how", ["orbax", "flax"])
+def test_a_checkpoint_of_02_with_on_min_scale_error_restores(how, tmp_path):
+    # 0.3 added grad_norm and stale_scale_skips (the latter an int32 leaf
+    # with on_min_scale="error"): 0.2's checkpoint restores into a dict of
+    # its fields, completed by the fresh target's new ones.
+    tx = erroring_tx()
+    params = init_params(0)
+    state = tx.init(params)
+    _, state = tx.update({"w": jnp.full((3, 2), jnp.inf)}, state, params)
+    saved = StateOf02(*state[: len(StateOf02._fields)])
+    target = tx.init(init_params(1))
+    fields = {name: getattr(target, name) for name in StateOf02._fields}
+    if how == "orbax":
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save(tmp_path / "ckpt", {"opt": saved})
+        with ocp.StandardCheckpointer() as ckpt, pytest.raises(ValueError):
+            ckpt.restore(  # control: the 0.3 state as the target
+                tmp_path / "ckpt",
+                jax.tree.map(ocp.utils.to_shape_dtype_struct, {"opt": target}),
+            )
+        with ocp.StandardCheckpointer() as ckpt:
+            restored = ckpt.restore(
+                tmp_path / "ckpt",
+                jax.tree.map(ocp.utils.to_shape_dtype_struct, {"opt": fields}),
+            )["opt"]
+    else:
+        blob = serialization.to_bytes(saved)
+        with pytest.raises(ValueError, match="field names"):  # control
+            serialization.from_bytes(target, blob)
+        restored = serialization.from_bytes(fields, blob)
+    restored = target._replace(**restored)
+    assert_trees_bitwise_equal(restored, state)
+    assert int(restored.stale_scale_skips) == 0
+    _, after = tx.update({"w": jnp.ones((3, 2))}, restored, params)
+    assert int(after.steps) == 2 and int(after.skipped_steps) == 1
+
+
 def test_orbax_saves_and_restores_a_state_with_every_option(tmp_path):
     params = init_params(0)
     tx = lossscale.loss_scaled(

@@ -214,9 +214,13 @@ def test_group_errors():
         lossscale.loss_scaled_by_group(
             inner, {}, {"a": "x"}, require_scaled_by=False
         )
-    with pytest.raises(TypeError, match=r"loss_scales\['x'\] must implement"):
+    with pytest.raises(TypeError, match=r"loss_scales\['x'\] must be a loss"):
         lossscale.loss_scaled_by_group(
             inner, {"x": 2.0}, {"a": "x"}, require_scaled_by=False
+        )
+    with pytest.raises(TypeError, match=r"loss_scales\['x'\] must implement"):
+        lossscale.loss_scaled_by_group(
+            inner, {"x": "2.0"}, {"a": "x"}, require_scaled_by=False
         )
     with pytest.raises(TypeError, match="param_labels must be"):
         lossscale.loss_scaled_by_group(

@@ -145,7 +145,8 @@ def test_loss_scaled_bad_inner(inner):
     "ls, message",
     [
         (lossscale.DynamicLossScale, "did you mean DynamicLossScale()"),
-        (2.0**15, "LossScale protocol"),
+        (2.0**15, r"lossscale\.StaticLossScale\(2\.0\*\*15\)"),
+        ("dynamic", "LossScale protocol"),
         (None, "LossScale protocol"),
     ],
 )

@@ -225,8 +225,11 @@ def plot(
         # Runs shorter than the window get one mean.
         window = min(difference_window, len(reference.losses))
     difference = window is not None
-    shape, size = ((2, 2), (12, 8)) if difference else ((1, 3), (15, 4.2))
-    fig, axes = plt.subplots(*shape, figsize=size)
+    # Three panels are stacked, one above the other on a shared step axis:
+    # a figure about as wide as a page (880 px), whose legends stay
+    # readable where the README and the docs show it, unscaled or nearly.
+    shape, size = ((2, 2), (12, 8)) if difference else ((3, 1), (8, 9))
+    fig, axes = plt.subplots(*shape, figsize=size, sharex=not difference)
     axes = axes.ravel()
     for r in results:
         steps = np.arange(1, len(r.losses) + 1)
@@ -262,6 +265,9 @@ def plot(
             "steps",
             xlabel="step",
         )
+    if not difference:
+        for ax in axes[:-1]:  # the stack shares the bottom panel's axis
+            ax.set_xlabel("")
     for ax in axes:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
