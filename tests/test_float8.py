@@ -328,13 +328,6 @@ def test_function_rules_compute_keeps_a_jitted_function_16_bit():
     assert_two_float8_layers(other, params, x)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="lossscale.matmuls gives why='the compute dtype' for a matmul "
-    "kept 16-bit by function_rules={'layer': 'compute'}: _report._walk "
-    "walks the function's plan with config.sixteen_bit, whose float8 is "
-    "None, so _why returns before its 'function_rules' branch",
-)
 def test_matmuls_says_which_function_rule_kept_a_matmul_16_bit():
     params, (x, _) = mlp_params(), batch()
     f = lossscale.autocast(
@@ -343,13 +336,6 @@ def test_matmuls_says_which_function_rule_kept_a_matmul_16_bit():
     assert "function_rules" in lossscale.matmuls(f, params, x)[0].why
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Matmul.where is documented as 'the named scopes (and jitted "
-    "functions) it was traced in', but is '' for a matmul inside a jax.jit "
-    "function: _compat.name_stack reads the equation's own name stack, "
-    "which is relative to the jitted function's jaxpr",
-)
 def test_matmuls_where_names_the_jitted_function():
     params, (x, _) = mlp_params(), batch()
     f = lossscale.autocast(two_layers, lossscale.Float8())

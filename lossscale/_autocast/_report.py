@@ -78,49 +78,76 @@ def matmuls(fun: Any, *args: Any, **kwargs: Any) -> list[Matmul]:
     traced = _run.trace(
         fun._config, fun._out_dtype, fun.__wrapped__, args, kwargs
     )
-    return list(_walk(traced.plan, fun._config))
+    return list(_walk(traced.plan, _Place(fun._config)))
 
 
-def _walk(plan: Any, config: Any) -> Iterator[Matmul]:
+class _Place(NamedTuple):
+    """Where the walk is: the configuration in force, the scopes and
+    functions above, and the function rule that made matmuls 16-bit."""
+
+    config: Any
+    where: str = ""
+    rule: str | None = None
+
+
+def _join(*parts: str) -> str:
+    return "/".join(p for p in parts if p)
+
+
+def _walk(plan: Any, place: _Place) -> Iterator[Matmul]:
     for eqn, node in plan.nodes.items():
         if node.mode is _infer.Mode.HIGHER:
+            inner = _inside(eqn, place)
             for sub in node.data.plans:
-                yield from _walk(sub, _sub_config(config, eqn))
+                yield from _walk(sub, inner)
         elif node.mode is _infer.Mode.TRACED and _compat.sub_jaxprs(eqn):
-            yield from _as_traced(eqn, _why_traced(eqn, config))
+            yield from _as_traced(
+                eqn, _why_traced(eqn, place.config), _inside(eqn, place)
+            )
         elif _infer.eqn_facts(eqn).matmul:
             yield _matmul(
-                eqn, _dtype(eqn, node, config), _why(eqn, node, config)
+                eqn,
+                _dtype(eqn, node, place.config),
+                _why(eqn, node, place),
+                place,
             )
 
 
-def _as_traced(eqn: Any, why: str) -> Iterator[Matmul]:
+def _inside(eqn: Any, place: _Place) -> _Place:
+    """The place inside a higher-order equation: its scopes and, for a
+    call, its function's name, and the function rule that applies."""
+    name = _compat.function_name(eqn)
+    where = _join(place.where, _compat.name_stack(eqn), name or "")
+    rule = None if name is None else place.config.function_rule(name)
+    if rule == "compute" and place.config.float8 is not None:
+        return _Place(
+            place.config.sixteen_bit,
+            where,
+            f"function_rules[{name!r}]: 'compute'",
+        )
+    return place._replace(where=where)
+
+
+def _as_traced(eqn: Any, why: str, place: _Place) -> Iterator[Matmul]:
     """The matmuls of a higher-order equation run at its traced dtypes."""
     for sub in _compat.sub_jaxprs(eqn):
         for inner in sub.eqns:
             if _compat.sub_jaxprs(inner):
-                yield from _as_traced(inner, why)
+                yield from _as_traced(inner, why, _inside(inner, place))
             elif _infer.eqn_facts(inner).matmul:
                 dtype = str(np.dtype(inner.invars[0].aval.dtype))
-                yield _matmul(inner, dtype, why)
+                yield _matmul(inner, dtype, why, place)
 
 
-def _matmul(eqn: Any, dtype: str, why: str) -> Matmul:
+def _matmul(eqn: Any, dtype: str, why: str, place: _Place) -> Matmul:
     return Matmul(
         eqn.primitive.name,
         tuple(tuple(v.aval.shape) for v in eqn.invars),
         dtype,
         why,
-        _compat.name_stack(eqn),
+        _join(place.where, _compat.name_stack(eqn)),
         _compat.source_line(eqn),
     )
-
-
-def _sub_config(config: Any, eqn: Any) -> Any:
-    name = _compat.function_name(eqn)
-    if name is not None and config.function_rule(name) == "compute":
-        return config.sixteen_bit
-    return config
 
 
 def _dtype(eqn: Any, node: Any, config: Any) -> str:
@@ -141,7 +168,8 @@ def _why_traced(eqn: Any, config: Any) -> str:
     return "at its traced dtypes"
 
 
-def _why(eqn: Any, node: Any, config: Any) -> str:
+def _why(eqn: Any, node: Any, place: _Place) -> str:
+    config = place.config
     if node.mode is _infer.Mode.FLOAT8:
         return "float8"
     if isinstance(node.data, str):
@@ -157,8 +185,8 @@ def _why(eqn: Any, node: Any, config: Any) -> str:
         return f"rules[{override!r}]: {dict(config.rules)[override]!r}"
     if node.outs and node.outs[0] == Cls.F32:
         return "a preferred_element_type wider than its operands"
-    if config.float8 is None:
-        return "the compute dtype"
-    if record is not None and not record.float8:
+    if place.rule is not None:
+        return place.rule
+    if config.float8 is not None and record is not None and not record.float8:
         return f"{eqn.primitive.name} does not run in float8"
-    return "function_rules: 'compute'"
+    return "the compute dtype"
