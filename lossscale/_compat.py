@@ -72,6 +72,19 @@ def is_tracer(value: Any) -> bool:
     return isinstance(value, jax.core.Tracer)
 
 
+def is_trace_input(x: Any) -> bool | None:
+    """Whether a tracer is an input of its trace (a jitted function's
+    argument, a branch's operand) rather than computed in it; ``None``
+    where this JAX does not say (its tracers record no ``parent``)."""
+    # jax >= 0.8's jaxpr tracers keep the equation that made them (an
+    # internal field: if it goes, the refusal's message is less precise).
+    parent = getattr(x, "parent", _NO_PARENT)
+    return None if parent is _NO_PARENT else parent is None
+
+
+_NO_PARENT = object()
+
+
 def tracing() -> bool:
     """Whether a transformation (``jit``, ``vmap``, ``grad``...) traces here.
 

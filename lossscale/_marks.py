@@ -298,7 +298,7 @@ def refusal(path: str, leaves: list[Any], sources: list[Any]) -> str:
     ]
     if linked:
         return _made_from(where, linked[-1])
-    inputs = {_is_input(x) for x in bad}
+    inputs = {_compat.is_trace_input(x) for x in bad}
     if bad and all(_compat.is_tracer(x) for x in bad) and False not in inputs:
         want = _signature(leaves)
         shaped = [(f, m) for f, m in calls if _signature(m) == want]
@@ -377,18 +377,6 @@ def _made_from(where: str, found: Mark) -> str:
         "the scale value_and_grad used, say so: tx.update(..., "
         "scaled_by=lossscale.get_loss_scale(opt_state))."
     )
-
-
-def _is_input(x: Any) -> bool | None:
-    """Whether a tracer is an input of its trace (a jitted function's
-    argument, a branch's operand) rather than computed in it; ``None``
-    where this JAX does not say (its tracers record no ``parent``)."""
-    # jax >= 0.8's jaxpr tracers keep the equation that made them.
-    parent = getattr(x, "parent", _NO_PARENT)
-    return None if parent is _NO_PARENT else parent is None
-
-
-_NO_PARENT = object()
 
 
 def _signature(leaves: list[Any]) -> list[tuple[tuple[int, ...], str]]:
