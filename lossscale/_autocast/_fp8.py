@@ -132,13 +132,21 @@ class Float8:
         matmuls whose M, N and K are multiples of this (default 16).
 
     Examples:
-      >>> import jax.numpy as jnp
-      >>> from lossscale._autocast import _fp8
-      >>> config = _fp8.Float8()
+      >>> import jax, jax.numpy as jnp
+      >>> import lossscale
+      >>> config = lossscale.Float8()
       >>> config.recipe, config.compute_dtype, config.power_of_two_scales
       ('tensorwise', dtype(bfloat16), False)
-      >>> _fp8.Float8("rowwise", "float16").power_of_two_scales
+      >>> lossscale.Float8("rowwise", "float16").power_of_two_scales
       True
+      >>> def loss(w, x):  # written in float32
+      ...     return jnp.mean((x @ w) ** 2)
+      >>> f8_loss = lossscale.autocast(loss, lossscale.Float8())
+      >>> w, x = jnp.full((32, 16), 0.1), jnp.ones((64, 32))
+      >>> jax.grad(f8_loss)(w, x).dtype  # the master weights' dtype
+      dtype('float32')
+      >>> [m.dtype for m in lossscale.matmuls(f8_loss, w, x)]
+      ['float8_e4m3fn']
 
     References:
       Micikevicius et al., `FP8 Formats for Deep Learning
