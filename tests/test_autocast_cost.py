@@ -188,3 +188,29 @@ def test_many_static_values_warn_once_that_each_compiles():
         for t in (3.0, 4.0, 5.0, 6.0):
             f(x, t)
     assert counts["compiles"] == 0
+
+
+def test_an_eager_call_donates_what_the_program_donates():
+    # Eager calls were compiled by a jax.jit of their own, inside which an
+    # inner jit's donation is ignored: the buffer the user gave up stayed.
+    @jax.jit
+    def plain(x, y):
+        return x * 2 + y
+
+    donating = jax.jit(plain, donate_argnums=0)
+    x, y = jnp.ones((64, 64)), jnp.ones((64, 64))
+    donating(x, y)
+    assert x.is_deleted()  # the premise: plain JAX donates here
+
+    def f(x, y):
+        return donating(x, y)
+
+    x = jnp.ones((64, 64))
+    np.testing.assert_array_equal(
+        lossscale.autocast(f, jnp.float16)(x, y), jnp.full((64, 64), 3.0)
+    )
+    assert x.is_deleted() and not y.is_deleted()
+    # The negative control: nothing donated, nothing deleted.
+    x = jnp.ones((64, 64))
+    lossscale.autocast(lambda x, y: plain(x, y), jnp.float16)(x, y)
+    assert not x.is_deleted()

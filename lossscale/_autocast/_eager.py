@@ -125,9 +125,12 @@ class Autocast:
         if split is None:
             return self._traced(*args, **kwargs)
         key, arrays = split
-        return self._compiled_for(key)(*arrays)
+        return self._compiled_for(key, arrays)(*arrays)
 
     def _traced(self, *args: Any, **kwargs: Any) -> Any:
+        return self._result(args, kwargs).value
+
+    def _result(self, args: Any, kwargs: Any) -> _run.Result:
         result = _run.call(
             self._config, self._out_dtype, self.__wrapped__, args, kwargs
         )
@@ -139,9 +142,9 @@ class Autocast:
                 result.functions,
                 self._warned,
             )
-        return result.value
+        return result
 
-    def _compiled_for(self, key: Any) -> Callable[..., Any]:
+    def _compiled_for(self, key: Any, arrays: list[Any]) -> Callable[..., Any]:
         with self._lock:
             run = self._compiled.get(key)
             if run is not None:
@@ -149,7 +152,15 @@ class Autocast:
                 return run
             if len(self._compiled) >= COMPILED_LIMIT:
                 self._compiled.popitem(last=False)  # the least recently used
-            run = jax.jit(_with_static(self._traced, key))
+            # Traced first (the call then reuses the trace), to learn which
+            # arguments a jax.jit of the program donates: those the eager
+            # call donates too, as the jit called eagerly would.
+            found: list[frozenset[int]] = []
+            fun = _with_static(self._result, key, found)
+            run = jax.jit(fun)
+            run.trace(*arrays)
+            if found and found[-1]:
+                run = jax.jit(fun, donate_argnums=tuple(sorted(found[-1])))
             self._compiled[key] = run
             structure = (key[0], tuple(i for i, _ in key[2]))
             self._compiles[structure] += 1
@@ -259,8 +270,14 @@ def _split_static(tree: Any) -> tuple[Any, list[Any]] | None:
     return key, arrays
 
 
-def _with_static(traced: Callable[..., Any], key: Any) -> Callable[..., Any]:
-    """``traced`` of the arrays, the static leaves of ``key`` put back."""
+def _with_static(
+    result: Callable[[Any, Any], _run.Result],
+    key: Any,
+    donated: list[frozenset[int]],
+) -> Callable[..., Any]:
+    """The value of ``result`` of the arrays, the static leaves of ``key``
+    put back; the donated positions of each trace appended to
+    ``donated``."""
     treedef, n, static = key
     fixed = {i: s.value for i, s in static}
     dynamic = [i for i in range(n) if i not in fixed]
@@ -270,6 +287,8 @@ def _with_static(traced: Callable[..., Any], key: Any) -> Callable[..., Any]:
         for i, array in zip(dynamic, arrays, strict=True):
             leaves[i] = array
         args, kwargs = jax.tree.unflatten(treedef, leaves)
-        return traced(*args, **kwargs)
+        traced = result(args, kwargs)
+        donated.append(traced.donated)
+        return traced.value
 
     return run

@@ -302,6 +302,7 @@ def _plan(
     only32: dict[Any, bool] = {}
     demanded: dict[Any, bool] = {}
     unrounded: dict[Any, bool] = {}
+    decided: dict[Any, Any] = {}
     n_vars = sum(len(e.outvars) for e in eqns)
     for _ in range(3 * n_vars + 2):
         env: dict[Any, Info] = {}
@@ -317,14 +318,21 @@ def _plan(
 
         nodes: dict[Any, Node] = {}
         for eqn in eqns:
-            node, outs = _forward(
-                planning,
-                eqn,
-                [read(a) for a in eqn.invars],
+            infos = [read(a) for a in eqn.invars]
+            backward = (
                 [only32.get(v, False) for v in eqn.outvars],
                 [demanded.get(v, False) for v in eqn.outvars],
                 [unrounded.get(v, False) for v in eqn.outvars],
             )
+            # What the rule decides from; unchanged since the last round
+            # (most equations, after the first), the same decision.
+            key = ([(i.cls, id(i.value)) for i in infos], backward)
+            hit = decided.get(eqn)
+            if hit is not None and hit[0] == key:
+                node, outs = hit[1]
+            else:
+                node, outs = _forward(planning, eqn, infos, *backward)
+                decided[eqn] = (key, (node, outs))
             nodes[eqn] = node
             for var, info in zip(eqn.outvars, outs, strict=True):
                 env[var] = info
@@ -572,6 +580,63 @@ def function_rule(config: Config, name: str | None) -> R.FunctionRule | None:
     return None if name is None else config.function_rule(name)
 
 
+def _broadcast_in_dim(x: Any, shape: Any, broadcast_dimensions: Any, **_: Any):
+    expanded = np.reshape(
+        x,
+        [
+            np.shape(x)[broadcast_dimensions.index(d)]
+            if d in broadcast_dimensions
+            else 1
+            for d in range(len(shape))
+        ],
+    )
+    return np.broadcast_to(expanded, shape)
+
+
+def _numpy_folds() -> dict[Any, Callable[..., Any]]:
+    """NumPy for the equations most often folded (a ``jnp.full``, a
+    scalar constant's arithmetic), by primitive: folding by binding runs
+    an XLA computation, which compiles once per shape (tens of ms), to
+    compute a value that only decides a class."""
+    unary = {
+        "neg": np.negative,
+        "abs": np.abs,
+        "sqrt": np.sqrt,
+        "exp": np.exp,
+        "log": np.log,
+        "tanh": np.tanh,
+        "sign": np.sign,
+    }
+    binary = {
+        "add": np.add,
+        "sub": np.subtract,
+        "mul": np.multiply,
+        "div": np.divide,
+        "max": np.maximum,
+        "min": np.minimum,
+    }
+    table: dict[str, Callable[..., Any]] = {
+        "broadcast_in_dim": lambda x, **p: _broadcast_in_dim(x, **p),
+        "reshape": lambda x, new_sizes, **_: np.reshape(x, new_sizes),
+        "squeeze": lambda x, dimensions, **_: np.squeeze(x, tuple(dimensions)),
+        "transpose": lambda x, permutation, **_: np.transpose(x, permutation),
+        "integer_pow": lambda x, y, **_: np.power(x, y),
+        "square": lambda x, **_: np.square(x),
+        "rsqrt": lambda x, **_: 1 / np.sqrt(x),
+    }
+    for name, f in unary.items():
+        table[name] = lambda x, f=f, **_: f(x)
+    for name, f in binary.items():
+        table[name] = lambda x, y, f=f, **_: f(x, y)
+    return {
+        primitive: table[name]
+        for name, primitive in _compat.primitives_named(table).items()
+    }
+
+
+FOLDS = _numpy_folds()
+
+
 def _fold(
     planning: _Planning,
     eqn: Any,
@@ -592,10 +657,16 @@ def _fold(
         return hit[1]
     values = None
     operands = [i.value for i in infos]
+    numpy = FOLDS.get(eqn.primitive)
     if all(math.prod(v.aval.shape) <= FOLD_SIZE for v in eqn.outvars):
         try:
             if compute is not None:
                 values = compute(operands)
+            elif numpy is not None:
+                with np.errstate(all="ignore"):
+                    out = numpy(*map(np.asarray, operands), **eqn.params)
+                dtype = eqn.outvars[0].aval.dtype
+                values = [np.asarray(out).astype(dtype)]
             else:
                 with jax.ensure_compile_time_eval():
                     outs = _compat.bind_equation(eqn, operands)
@@ -768,7 +839,10 @@ def _forward(
         if is_float(a.aval.dtype)
     }
     if floats <= {Cls.CONST16}:
-        values = _fold(planning, eqn, infos) if record.foldable else None
+        foldable = record.foldable and any(
+            is_float(v.aval.dtype) for v in eqn.outvars
+        )
+        values = _fold(planning, eqn, infos) if foldable else None
         if values is not None:
             outs = [
                 of_value(v, a.aval.dtype, compute)

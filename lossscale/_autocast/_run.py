@@ -29,6 +29,9 @@ class Result(NamedTuple):
     value: Any
     used: frozenset[tuple[str, str]]  # the overrides that applied
     functions: frozenset[str]  # the functions the program called
+    # The positions of the array arguments that a jax.jit called on them
+    # directly donates (so that an eager call may donate them too).
+    donated: frozenset[int] = frozenset()
 
 
 def is_array(x: Any) -> bool:
@@ -162,7 +165,21 @@ def call(
             t.holders[t.dynamic[j]], cast_to(x, dtype_of(t.arrays[j]))
         )
     value = jax.tree.unflatten(jax.tree.structure(t.out_shape), results)
-    return Result(value, t.plan.used, t.plan.functions)
+    return Result(value, t.plan.used, t.plan.functions, _donated(jaxpr))
+
+
+def _donated(jaxpr: Any) -> frozenset[int]:
+    """The inputs of ``jaxpr`` that a ``jax.jit`` it calls donates."""
+    position = {v: k for k, v in enumerate(jaxpr.invars)}
+    found = set()
+    for eqn in jaxpr.eqns:
+        flags = eqn.params.get("donated_invars") or ()
+        if not _compat.is_jit(eqn):
+            continue
+        for atom, donated in zip(eqn.invars, flags, strict=False):
+            if donated and _compat.is_var(atom) and atom in position:
+                found.add(position[atom])
+    return frozenset(found)
 
 
 def _closed_over_state(fun: Callable[..., Any]) -> Exception:
