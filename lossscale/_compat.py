@@ -602,8 +602,8 @@ def shard_map_options(params: dict[str, Any]) -> dict[str, Any]:
 
 def bind_remat(jaxpr: Any, args: Sequence[Any]) -> list[Any]:
     """``jax.checkpoint`` of an open ``jaxpr`` already traced (no policy,
-    no CSE barrier): binding the same jaxpr again lets JAX's caches of its
-    derivative hit."""
+    with JAX's CSE barrier, ``prevent_cse=True``): binding the same jaxpr
+    again lets JAX's caches of its derivative hit."""
     from jax.extend.core import primitives
 
     remat_p = getattr(primitives, "remat_p", None)
@@ -613,7 +613,7 @@ def bind_remat(jaxpr: Any, args: Sequence[Any]) -> list[Any]:
         remat_p.bind(
             *args,
             jaxpr=jaxpr,
-            prevent_cse=False,
+            prevent_cse=True,
             differentiated=False,
             policy=None,
         )
