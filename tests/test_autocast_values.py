@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -200,3 +201,26 @@ def test_a_boolean_mask_as_a_multiply_keeps_the_activation_16_bit():
     jaxpr = jax.make_jaxpr(lossscale.autocast(g, jnp.float16))(w, x, positions)
     (mul,) = [e for e in equations(jaxpr) if e.primitive.name == "mul"]
     assert np.dtype(mul.outvars[0].aval.dtype) == F32
+
+
+class JittedOrNot(chex.TestCase):
+    """The same values and dtypes called eagerly and under jax.jit (the
+    eager path compiles a program of its own: it must be the same one)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_gradients_are_float32_s_within_bfloat16_rounding(self):
+        def loss(params, x):
+            h = jax.nn.gelu(x @ params["w1"] + params["b1"])
+            return jnp.mean((h @ params["w2"]) ** 2)
+
+        keys = jax.random.split(jax.random.key(0), 3)
+        params = {
+            "w1": jax.random.normal(keys[0], (16, 32)) / 4,
+            "b1": jnp.zeros(32),
+            "w2": jax.random.normal(keys[1], (32, 8)) / 6,
+        }
+        x = jax.random.normal(keys[2], (8, 16))
+        grads = self.variant(jax.grad(lossscale.autocast(loss, jnp.bfloat16)))
+        got, want = grads(params, x), jax.grad(loss)(params, x)
+        chex.assert_trees_all_equal_dtypes(got, want)
+        chex.assert_trees_all_close(got, want, rtol=3e-2, atol=2e-3)
