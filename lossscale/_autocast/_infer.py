@@ -283,6 +283,32 @@ class _Planning:
         self.as_traced: frozenset[Any] = frozenset()
 
 
+class _Facts(NamedTuple):
+    """The backward facts of each variable (each only turns true)."""
+
+    only32: dict[Any, bool]
+    demanded: dict[Any, bool]
+    unrounded: dict[Any, bool]
+
+    def of(self, eqn: Any) -> tuple[list[bool], list[bool], list[bool]]:
+        """The facts of an equation's results, in the order ``_forward``
+        takes them."""
+        return (
+            [self.only32.get(v, False) for v in eqn.outvars],
+            [self.demanded.get(v, False) for v in eqn.outvars],
+            [self.unrounded.get(v, False) for v in eqn.outvars],
+        )
+
+    def merged(self, new: _Facts) -> _Facts:
+        """These facts or-ed with ``new``'s."""
+        return _Facts(
+            *(
+                {v: f or old.get(v, False) for v, f in fresh.items()}
+                for old, fresh in zip(self, new, strict=True)
+            )
+        )
+
+
 def _plan(
     config: Config,
     jaxpr: Any,
@@ -296,168 +322,163 @@ def _plan(
     planning = _Planning(config, jf)
     if any(as_traced):
         planning.as_traced = jf.cone(as_traced)
-    eqns, readers, outputs = jf.eqns, jf.readers, jf.outputs
-    compute = config.compute
-
-    only32: dict[Any, bool] = {}
-    demanded: dict[Any, bool] = {}
-    unrounded: dict[Any, bool] = {}
+    known = _Facts({}, {}, {})
     decided: dict[Any, Any] = {}
-    n_vars = sum(len(e.outvars) for e in eqns)
+    n_vars = sum(len(e.outvars) for e in jf.eqns)
     for _ in range(3 * n_vars + 2):
-        env: dict[Any, Info] = {}
-        for var, info in zip(jaxpr.constvars, consts, strict=True):
-            env[var] = info
-        for var, cls in zip(jaxpr.invars, ins, strict=True):
-            env[var] = Info(cls)
-
-        def read(atom: Any, env: dict[Any, Info] = env) -> Info:
-            if _compat.is_literal(atom):
-                return jf.literal(atom, compute)
-            return env[atom]
-
-        nodes: dict[Any, Node] = {}
-        for eqn in eqns:
-            infos = [read(a) for a in eqn.invars]
-            backward = (
-                [only32.get(v, False) for v in eqn.outvars],
-                [demanded.get(v, False) for v in eqn.outvars],
-                [unrounded.get(v, False) for v in eqn.outvars],
-            )
-            # What the rule decides from; unchanged since the last round
-            # (most equations, after the first), the same decision.
-            key = ([(i.cls, id(i.value)) for i in infos], backward)
-            hit = decided.get(eqn)
-            if hit is not None and hit[0] == key:
-                node, outs = hit[1]
-            else:
-                node, outs = _forward(planning, eqn, infos, *backward)
-                decided[eqn] = (key, (node, outs))
-            nodes[eqn] = node
-            for var, info in zip(eqn.outvars, outs, strict=True):
-                env[var] = info
-        out_classes = tuple(read(a).cls for a in jaxpr.outvars)
-
-        # Backwards: what each variable's readers make of it.
-        new_only32: dict[Any, bool] = {}
-        new_demanded: dict[Any, bool] = {}
-        new_unrounded: dict[Any, bool] = {}
-
-        def is_unrounded(
-            var: Any,
-            nodes: dict[Any, Node] = nodes,
-            new_unrounded: dict[Any, bool] = new_unrounded,
-        ) -> bool:
-            """Whether some use does not round it to the compute dtype
-            anyway (every use is a matmul's operand, through exact
-            operations: a relu, max pooling, a reshape, which commute with
-            the rounding)."""
-            if var in outputs:
-                return True
-            found = False
-            for eqn, _ in readers.get(var, ()):
-                node = nodes[eqn]
-                ef = jf.of[eqn]
-                if node.mode in _ROUNDING and ef.matmul:
-                    found = True
-                    continue
-                exact = (ef.moves and node.mode is not Mode.CONVERT) or (
-                    node.mode is Mode.HIGHER
-                    and HIGHER[eqn.primitive].island
-                    and all(p.exact for p in node.data.plans)
-                )
-                floats = [v for v in eqn.outvars if is_float(v.aval.dtype)]
-                if not (exact and floats):
-                    return True
-                if any(new_unrounded.get(v, True) for v in floats):
-                    return True
-                found = True
-            return not found
-
-        def uses(
-            var: Any,
-            nodes: dict[Any, Node] = nodes,
-            new_demanded: dict[Any, bool] = new_demanded,
-            new_only32: dict[Any, bool] = new_only32,
-        ) -> list[tuple[bool | None, bool]]:
-            """(reads it in float32, makes it demanded) per use; None for
-            a comparison (``is_finite(m)``, ``h > 0``), which reads it at
-            whatever dtype it has: it neither widens it nor keeps it 16-bit."""
-            result: list[tuple[bool | None, bool]] = []
-            for eqn, i in readers.get(var, ()):
-                node = nodes[eqn]
-                ef = jf.of[eqn]
-                float_outs = [v for v in eqn.outvars if is_float(v.aval.dtype)]
-                if (
-                    node.mode is Mode.COMPUTE
-                    and not ef.matmul
-                    and not float_outs
-                ):
-                    result.append((None, False))
-                    continue
-                # A matmul rounds its operands whatever reads its result.
-                passes = not ef.matmul and any(
-                    new_demanded.get(v, False) for v in eqn.outvars
-                )
-                if node.mode is Mode.HIGHER:
-                    passes = bool(node.data.demanded[i])
-                reads32 = node.reads32[i] or (
-                    # A move or selection whose results only float32 reads
-                    # is seen through: it stays 16-bit for a 16-bit operand
-                    # (exact), and is float32 for a float32 one, so that
-                    # softmax's max subtraction does not keep the scores
-                    # 16-bit (``softmax((x @ w) * 1e3)`` scales in float32).
-                    node.mode is Mode.COMPUTE
-                    and ef.moves
-                    and not (ef.record is not None and ef.record.pooling)
-                    and all(new_only32.get(v, False) for v in float_outs)
-                )
-                result.append((reads32, node.reads32[i] or passes))
-            for j in outputs.get(var, ()):
-                result.append((out_only32[j], out_demanded[j]))
-            return result
-
-        for eqn in reversed(eqns):
-            for var in eqn.outvars:
-                u = uses(var)
-                reads = [r for r, _ in u if r is not None]
-                new_only32[var] = bool(reads) and all(reads)
-                new_demanded[var] = any(d for _, d in u)
-                new_unrounded[var] = is_unrounded(var)
-        in_reads32 = []
-        in_demanded = []
-        for var in jaxpr.invars:
-            u = uses(var)
-            in_reads32.append(any(r for r, _ in u))
-            in_demanded.append(any(d for _, d in u))
-        acc_only32 = {
-            v: f or only32.get(v, False) for v, f in new_only32.items()
-        }
-        acc_demanded = {
-            v: f or demanded.get(v, False) for v, f in new_demanded.items()
-        }
-        acc_unrounded = {
-            v: f or unrounded.get(v, False) for v, f in new_unrounded.items()
-        }
-        if (
-            acc_only32 == only32
-            and acc_demanded == demanded
-            and acc_unrounded == unrounded
-        ):
+        nodes, outs = _forward_round(
+            planning, jaxpr, consts, ins, known, decided
+        )
+        new, in_reads32, in_demanded = _backward_round(
+            jf, jaxpr, nodes, out_only32, out_demanded
+        )
+        merged = known.merged(new)
+        if merged == known:
             return _finish(
                 planning,
                 nodes,
                 tuple(c.cls for c in consts),
                 ins,
-                out_classes,
-                tuple(in_reads32),
-                tuple(in_demanded),
+                outs,
+                in_reads32,
+                in_demanded,
             )
-        only32, demanded, unrounded = acc_only32, acc_demanded, acc_unrounded
-
+        known = merged
     raise RuntimeError(  # pragma: no cover - each fact changes once
         "lossscale.autocast: the inference pass did not converge."
     )
+
+
+def _forward_round(
+    planning: _Planning,
+    jaxpr: Any,
+    consts: Sequence[Info],
+    ins: tuple[Cls, ...],
+    known: _Facts,
+    decided: dict[Any, Any],
+) -> tuple[dict[Any, Node], tuple[Cls, ...]]:
+    """Every equation's node from its operands' classes and its results'
+    facts, in order; and the classes of the jaxpr's outputs."""
+    jf, compute = planning.facts, planning.config.compute
+    env: dict[Any, Info] = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update((v, Info(c)) for v, c in zip(jaxpr.invars, ins, strict=True))
+
+    def read(atom: Any) -> Info:
+        if _compat.is_literal(atom):
+            return jf.literal(atom, compute)
+        return env[atom]
+
+    nodes: dict[Any, Node] = {}
+    for eqn in jf.eqns:
+        infos = [read(a) for a in eqn.invars]
+        backward = known.of(eqn)
+        # What the rule decides from; unchanged since the last round (most
+        # equations, after the first), the same decision.
+        key = ([(i.cls, id(i.value)) for i in infos], backward)
+        hit = decided.get(eqn)
+        if hit is not None and hit[0] == key:
+            node, outs = hit[1]
+        else:
+            node, outs = _forward(planning, eqn, infos, *backward)
+            decided[eqn] = (key, (node, outs))
+        nodes[eqn] = node
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return nodes, tuple(read(a).cls for a in jaxpr.outvars)
+
+
+def _backward_round(
+    jf: JaxprFacts,
+    jaxpr: Any,
+    nodes: dict[Any, Node],
+    out_only32: Sequence[bool],
+    out_demanded: Sequence[bool],
+) -> tuple[_Facts, tuple[bool, ...], tuple[bool, ...]]:
+    """What each variable's readers make of it, from the last equation to
+    the first; and, per input of the jaxpr, whether it is read in float32
+    and whether it reaches a float32 operation."""
+    new = _Facts({}, {}, {})
+
+    def uses(var: Any) -> list[tuple[bool | None, bool]]:
+        result = [
+            _use(jf, nodes, new, eqn, i) for eqn, i in jf.readers.get(var, ())
+        ]
+        for j in jf.outputs.get(var, ()):
+            result.append((out_only32[j], out_demanded[j]))
+        return result
+
+    for eqn in reversed(jf.eqns):
+        for var in eqn.outvars:
+            u = uses(var)
+            reads = [r for r, _ in u if r is not None]
+            new.only32[var] = bool(reads) and all(reads)
+            new.demanded[var] = any(d for _, d in u)
+            new.unrounded[var] = _unrounded(jf, nodes, new, var)
+    used = [uses(var) for var in jaxpr.invars]
+    return (
+        new,
+        tuple(any(r for r, _ in u) for u in used),
+        tuple(any(d for _, d in u) for u in used),
+    )
+
+
+def _use(
+    jf: JaxprFacts, nodes: dict[Any, Node], new: _Facts, eqn: Any, i: int
+) -> tuple[bool | None, bool]:
+    """(reads its operand ``i`` in float32, makes it demanded); None for a
+    comparison (``is_finite(m)``, ``h > 0``), which reads it at whatever
+    dtype it has: it neither widens it nor keeps it 16-bit."""
+    node = nodes[eqn]
+    ef = jf.of[eqn]
+    float_outs = [v for v in eqn.outvars if is_float(v.aval.dtype)]
+    if node.mode is Mode.COMPUTE and not ef.matmul and not float_outs:
+        return None, False
+    # A matmul rounds its operands whatever reads its result.
+    passes = not ef.matmul and any(
+        new.demanded.get(v, False) for v in eqn.outvars
+    )
+    if node.mode is Mode.HIGHER:
+        passes = bool(node.data.demanded[i])
+    reads32 = node.reads32[i] or (
+        # A move or selection whose results only float32 reads is seen
+        # through: it stays 16-bit for a 16-bit operand (exact), and is
+        # float32 for a float32 one, so that softmax's max subtraction
+        # does not keep the scores 16-bit (``softmax((x @ w) * 1e3)``
+        # scales in float32).
+        node.mode is Mode.COMPUTE
+        and ef.moves
+        and not (ef.record is not None and ef.record.pooling)
+        and all(new.only32.get(v, False) for v in float_outs)
+    )
+    return reads32, node.reads32[i] or passes
+
+
+def _unrounded(
+    jf: JaxprFacts, nodes: dict[Any, Node], new: _Facts, var: Any
+) -> bool:
+    """Whether some use of ``var`` does not round it to the compute dtype
+    anyway (every use is a matmul's operand, through exact operations: a
+    relu, max pooling, a reshape, which commute with the rounding)."""
+    if var in jf.outputs:
+        return True
+    found = False
+    for eqn, _ in jf.readers.get(var, ()):
+        node = nodes[eqn]
+        ef = jf.of[eqn]
+        if node.mode in _ROUNDING and ef.matmul:
+            found = True
+            continue
+        exact = (ef.moves and node.mode is not Mode.CONVERT) or (
+            node.mode is Mode.HIGHER
+            and HIGHER[eqn.primitive].island
+            and all(p.exact for p in node.data.plans)
+        )
+        floats = [v for v in eqn.outvars if is_float(v.aval.dtype)]
+        if not (exact and floats):
+            return True
+        if any(new.unrounded.get(v, True) for v in floats):
+            return True
+        found = True
+    return not found
 
 
 def _finish(
