@@ -281,7 +281,11 @@ def test_residuals_keep_their_names_and_the_users_lines():
         b,
         x,
     )
-    assert any("named 'pre'" in line for line in saved), saved
+    # As plain JAX describes it ("named 'pre' from <the user's line>"; jax
+    # 0.7 prints the same residual as the output of reduce_precision).
+    plain = _saved(jax.checkpoint(f, policy=policy), w, b, x)
+    named = [line for line in plain if "argument" not in line]
+    assert named and set(named) <= set(saved), (named, saved)
     # Without the policy, every residual names the user's code.
     saved = _saved(lossscale.autocast(f, jnp.float16), w, b, x)
     assert any("test_autocast_faithful.py" in line for line in saved)

@@ -365,8 +365,9 @@ def test_forward_e4m3_backward_e5m2_by_e4m3_float32_accumulation(config):
     assert found[0] == ([e4, e4], F32)  # the forward matmul
     backward = sorted(found[1:])
     if config == "rowwise_with_gw_hp":
-        # the weight's gradient in the compute dtype, no float8
-        assert backward == [(["bfloat16", "bfloat16"], BF16), ([e4, e5], F32)]
+        # the weight's gradient from compute-dtype operands, no float8,
+        # accumulated in float32
+        assert backward == [(["bfloat16", "bfloat16"], F32), ([e4, e5], F32)]
         assert fp8_check.count_fp8_dots(jaxpr) == (1, 1, 0)
     else:
         assert backward == [([e4, e5], F32), ([e4, e5], F32)]
