@@ -53,7 +53,11 @@ _POWER_OF_TWO_DEFAULT = {
 
 @dataclasses.dataclass(frozen=True)
 class Float8:
-    """How :func:`dot_general` runs a matmul in float8 (current scaling).
+    """A float8 recipe: how a matmul runs in float8 (current scaling).
+
+    Passed to :func:`lossscale.autocast` as its ``compute_dtype``
+    (``autocast(loss_fn, lossscale.Float8())``), it runs the eligible
+    matmuls in float8 and everything else in its 16-bit ``compute_dtype``.
 
     Each operand is quantised with a scale computed from its own values, in
     this step (*current*, or *dynamic*, scaling: no state, no amax
@@ -133,11 +137,11 @@ class Float8:
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> from lossscale._autocast import _fp8
-      >>> config = _fp8.Float8()
+      >>> import lossscale
+      >>> config = lossscale.Float8()
       >>> config.recipe, config.compute_dtype, config.power_of_two_scales
       ('tensorwise', dtype(bfloat16), False)
-      >>> _fp8.Float8("rowwise", "float16").power_of_two_scales
+      >>> lossscale.Float8("rowwise", "float16").power_of_two_scales
       True
 
     References:
