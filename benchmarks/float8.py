@@ -11,23 +11,32 @@ jitted step: the loss, its gradient and ``loss_scaled(adam)``'s update
   lossscale.Float8(recipe))`` for each recipe: the linear layers' matmuls
   in float8, the rest as the reference.
 
-For each, in rounds that interleave the variants (so that a change in the
-machine's speed hits them alike), from cold caches: the time to trace the
-step (``jax.jit(step).trace``: autocast's own work happens there), to
-lower it, to compile it, and the median step time; and once, the compiled
-step's temporary memory (``memory_analysis``, deterministic). Ratios are
-the medians of per-round ratios to the reference. XLA:CPU has no float8
-arithmetic (it converts float8 operands to float32 and runs a float32
-matmul), so on a CPU the compile and step times of the float8 variants
-say nothing of a GPU's: ``benchmarks/float8_gpu.py`` measures those.
+First, in rounds that interleave the variants (so that a change in the
+machine's speed hits them alike), from cold caches and with the garbage
+collector off: the time to trace the step (``jax.jit(step).trace``:
+autocast's own work happens there), in wall time and in the tracing
+thread's CPU time (``time.thread_time``: tracing is single-threaded
+Python, and its CPU time is what other jobs on a shared machine disturb
+least). Then, in fewer interleaved rounds: the time to trace and lower
+the step, to compile it, and the median step time; and once, the
+compiled step's temporary memory (``memory_analysis``, deterministic).
+Ratios are the medians of per-round ratios to the reference. XLA:CPU has
+no float8 arithmetic (it converts float8 operands to float32 and runs a
+float32 matmul), so on a CPU the compile and step times of the float8
+variants say nothing of a GPU's: ``benchmarks/float8_gpu.py`` measures
+those.
 
-    python benchmarks/float8.py [--quick] [--rounds N] [--steps N]
-        [--width W] [--out FILE]
+    python benchmarks/float8.py [--quick] [--trace-rounds N] [--rounds N]
+        [--steps N] [--width W] [--out FILE]
+
+(``--quick``: one round of each, one step, the reference and
+``tensorwise`` only: the smoke test's.)
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import platform
 import statistics
 import sys
@@ -97,19 +106,32 @@ def time_steps(compiled, args, steps: int) -> float:
     return statistics.median(times)
 
 
+def trace_times(variant: str, config: gpt.Config) -> dict[str, float]:
+    """The time to trace ``variant``'s step, cold, in wall and in CPU time,
+    with the garbage collector off (as ``timeit`` does)."""
+    step, args, _ = build(variant, config)
+    jax.clear_caches()  # cold: nothing traced by another variant
+    gc.collect()
+    gc.disable()
+    try:
+        start, cpu_start = time.perf_counter(), time.thread_time()
+        jax.jit(step).trace(*args)
+        wall, cpu = time.perf_counter() - start, time.thread_time() - cpu_start
+    finally:
+        gc.enable()
+    return {"trace": wall, "trace_cpu": cpu}
+
+
 def measure(variant: str, config: gpt.Config, steps: int) -> dict[str, float]:
     step, args, _ = build(variant, config)
     jax.clear_caches()  # cold: nothing traced or lowered by another variant
     start = time.perf_counter()
-    traced = jax.jit(step).trace(*args)
-    t_trace = time.perf_counter()
-    lowered = traced.lower()
+    lowered = jax.jit(step).trace(*args).lower()
     t_lower = time.perf_counter()
     compiled = lowered.compile()
     t_compile = time.perf_counter()
     return {
-        "trace": t_trace - start,
-        "lower": t_lower - t_trace,
+        "trace_lower": t_lower - start,
         "compile": t_compile - t_lower,
         "step": time_steps(compiled, args, steps) if steps else float("nan"),
         "temp": compiled.memory_analysis().temp_size_in_bytes / 1e6,
@@ -118,26 +140,46 @@ def measure(variant: str, config: gpt.Config, steps: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--trace-rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--width", type=int, default=gpt.Config().width)
-    parser.add_argument("--quick", action="store_true", help="1 round, 1 step")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="1 round of each, 1 step, the reference and tensorwise only",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    rounds, steps = (1, 1) if args.quick else (args.rounds, args.steps)
+    trace_rounds, rounds, steps = (
+        (1, 1, 1)
+        if args.quick
+        else (args.trace_rounds, args.rounds, args.steps)
+    )
+    if rounds > trace_rounds:
+        parser.error(
+            f"--rounds must be at most --trace-rounds ({trace_rounds}), got "
+            f"{rounds}"
+        )
     config = gpt.Config(width=args.width)
-    results: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
-    for _ in range(rounds):
-        for variant in VARIANTS:
-            results[variant].append(measure(variant, config, steps))
+    variants = VARIANTS[:2] if args.quick else VARIANTS
+    results: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
+    for _ in range(trace_rounds):
+        for variant in variants:
+            results[variant].append(trace_times(variant, config))
+    for i in range(rounds):
+        for variant in variants:
+            # Round i's compile and steps beside trace round i's.
+            results[variant][i] |= measure(variant, config, steps)
 
     def median(variant: str, key: str) -> float:
-        return statistics.median(r[key] for r in results[variant])
+        return statistics.median(r[key] for r in results[variant] if key in r)
 
     def ratio(variant: str, key: str) -> float:
         return statistics.median(
             r[key] / b[key]
             for r, b in zip(results[variant], results[REFERENCE], strict=True)
+            if key in r
         )
 
     lines = [
@@ -145,24 +187,28 @@ def main(argv: list[str] | None = None) -> str:
         "",
         f"The demo GPT's train step ({config.layers} layers, width "
         f"{config.width}, batch {config.batch} x {config.context}); "
-        f"{rounds} interleaved rounds, {steps} timed steps each; jax "
+        f"{trace_rounds} interleaved rounds of tracing, then {rounds} of "
+        f"lowering, compiling and {steps} timed steps; jax "
         f"{jax.__version__}, {jax.devices()[0].platform} "
         f"({platform.processor() or 'cpu'}), Python "
         f"{sys.version.split()[0]}. Ratios: medians of per-round ratios to "
         f"the {REFERENCE} step.",
         "",
-        "| variant | trace s | lower s | compile s | step ms | temp MB "
-        "| trace, ratio | compile, ratio | step, ratio | temp, ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | trace CPU s | trace s | trace + lower s | compile s "
+        "| step ms | temp MB | trace CPU, ratio | trace, ratio "
+        "| compile, ratio | step, ratio | temp, ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for variant in VARIANTS:
+    for variant in variants:
         lines.append(
             f"| {variant} "
+            f"| {median(variant, 'trace_cpu'):.2f} "
             f"| {median(variant, 'trace'):.2f} "
-            f"| {median(variant, 'lower'):.2f} "
+            f"| {median(variant, 'trace_lower'):.2f} "
             f"| {median(variant, 'compile'):.2f} "
             f"| {1e3 * median(variant, 'step'):.1f} "
             f"| {results[variant][0]['temp']:.1f} "
+            f"| {ratio(variant, 'trace_cpu'):.2f} "
             f"| {ratio(variant, 'trace'):.2f} "
             f"| {ratio(variant, 'compile'):.2f} "
             f"| {ratio(variant, 'step'):.2f} "
