@@ -30,8 +30,8 @@ amax in that step (current scaling), so a small gradient is scaled up into
 float8's range before it is quantised, whatever the loss scale, and the
 rest of the program is bfloat16, whose exponent range is float32's. They
 are not in the default run because XLA:CPU has no float8 arithmetic: it
-emulates each float8 matmul in float32 plus the quantisation, so a step
-takes several times a float32 step's time.
+emulates each float8 matmul in float32 plus the quantisation, and a step
+of per-tensor scaling takes about twice a bfloat16 step's time there.
 
 The model is written once, in float32, with no dtype arguments and no
 casts; autocast decides the precision of each operation. The setup is the
