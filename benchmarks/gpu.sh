@@ -16,3 +16,11 @@ XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/step_overhead.py --out "$o
 # memory (needs flax, as the demo does).
 XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/autocast.py \
     --out "${out%.md}-autocast.md"
+# float8: every float8 matmul of the step must be a cuBLASLt float8 GEMM in
+# the compiled HLO (a MISMATCH, printed in capitals, is a silent fallback:
+# this line then fails the script, last so that the tables above are
+# written), then the float8 step against bfloat16 autocast's, side by side,
+# on the demo GPT at GPT-2-small shapes (12 layers, width 1024, context
+# 1024). Needs compute capability 8.9 or more (Ada, Hopper, Blackwell).
+XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/float8_gpu.py \
+    --out "${out%.md}-float8.md"

@@ -9,6 +9,8 @@ here; times are measured in ``benchmarks/autocast.py``.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,3 +95,49 @@ def test_gpt_step_memory_is_within_ten_percent_of_the_hand_cast_model():
     full = temp_bytes(*train_step(None, None)[:2])
     assert auto <= 1.10 * hand, (auto / 1e6, hand / 1e6)
     assert auto < 0.8 * full, (auto / 1e6, full / 1e6)  # it saves memory
+
+
+@functools.cache
+def _autocast_temp(compute_dtype):
+    """The temp bytes of the float32 model's step under autocast (cached:
+    two tests compare the same compiled steps)."""
+    return temp_bytes(*train_step(None, compute_dtype)[:2])
+
+
+def _ratio_message(name, fp8, bf16, target):
+    return (
+        f"{name}: temp {fp8 / 1e6:.1f} MB against bfloat16 autocast's "
+        f"{bf16 / 1e6:.1f} MB: {fp8 / bf16:.3f}x (target {target}x)"
+    )
+
+
+@pytest.mark.standard_promotion
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 33's 0.85x is missed with the default eligibility: "
+    "130.5 MB against 144.2 MB, 0.905x (jax 0.10.2). The scan's saved "
+    "residuals fall from 74.7 to 67.3 MB: only the operands of the four "
+    "linear layers' matmuls become one byte; 34.7 MB of float32 residuals "
+    "(the residual stream, the attention softmax's output) and the "
+    "bfloat16 attention weights (8.4 MB) and GELU input (8.4 MB) stay. "
+    "The prototype's 0.80x had attention's batched matmuls in float8 too "
+    "(its 'Linear dots only' row was 130.5 MB, as here); see the next test.",
+)
+def test_gpt_step_memory_in_float8_is_at_most_85_percent_of_bfloat16s():
+    fp8 = _autocast_temp(lossscale.Float8())
+    bf16 = _autocast_temp(jnp.bfloat16)
+    assert fp8 <= 0.85 * bf16, _ratio_message("Float8()", fp8, bf16, 0.85)
+
+
+@pytest.mark.standard_promotion
+def test_gpt_step_memory_in_float8_with_attention_in_float8_too():
+    # Every matmul but the output head (N=97) in float8, as the prototype
+    # measured: 115.8 MB against 144.2 MB, 0.803x (jax 0.10.2); and the
+    # default (linear layers only) below bfloat16's all the same.
+    bf16 = _autocast_temp(jnp.bfloat16)
+    batched = _autocast_temp(lossscale.Float8(batched=True))
+    assert batched <= 0.85 * bf16, _ratio_message(
+        "Float8(batched=True)", batched, bf16, 0.85
+    )
+    default = _autocast_temp(lossscale.Float8())
+    assert batched < default < bf16, (batched / 1e6, default / 1e6, bf16 / 1e6)

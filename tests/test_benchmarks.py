@@ -71,3 +71,90 @@ def test_autocast_trace_benchmark_reports_every_program(capsys, monkeypatch):
         assert f"| {name}" in report
     ratios = [float(r) for r in re.findall(r"\| ([0-9.]+)x \|", report)]
     assert len(ratios) == len(names) + 1 and all(r > 0 for r in ratios)
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(
+        name, ROOT / "benchmarks" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.standard_promotion
+def test_quick_float8_benchmark_reports_every_variant(tmp_path):
+    bench = _load("float8")
+    out = tmp_path / "float8.md"
+    report = bench.main(["--quick", "--width", "32", "--out", str(out)])
+    assert out.read_text() == report
+    for variant in bench.VARIANTS[:2]:  # the reference and tensorwise
+        assert f"| {variant} |" in report
+    assert "| trace CPU, ratio | trace, ratio | compile, ratio |" in report
+    reference = next(r for r in report.splitlines() if "| autocast b" in r)
+    assert reference.endswith("| 1.00 | 1.00 | 1.00 | 1.00 | 1.00 |")
+    assert "| trace + lower s | compile s |" in report
+
+
+# The GPU check of benchmarks/gpu.sh, dry-run on the CPU: its parsing and
+# its verdicts, with no GPU.
+
+# A line of a compiled module with a cuBLASLt float8 GEMM, as XLA prints it
+# (xla/service/gpu/transforms/gemm_rewriter_test.cc).
+CUBLASLT_F8_LINE = (
+    "  %cublas-gemm.1 = (bf16[64,32]{1,0}, s8[33554432]{0}) custom-call("
+    "f8e4m3fn[64,16]{1,0} %x, f8e4m3fn[32,16]{1,0} %transpose, f32[] "
+    '%x_scale, f32[] %y_scale), custom_call_target="__cublas$lt$matmul$f8", '
+    'backend_config={"operation_queue_id":"0","gemm_backend_config":'
+    '{"alpha_real":1,"beta":0}}'
+)
+
+
+@pytest.mark.standard_promotion
+def test_float8_gpu_check_reports_the_cpu_fallback_without_failing(capsys):
+    gpu = _load("float8_gpu")
+    config = gpu.gpt.Config(layers=1, width=32, heads=2, context=16, batch=4)
+    step, args, _ = gpu.bench.build("float8 tensorwise", config)
+    found = gpu.check(step, args)
+    # The 4 linear layers' matmuls forward, 8 backward (the head's N=97
+    # stays bfloat16); XLA:CPU has no float8 GEMM, so none was found.
+    assert found.dots == (4, 8, 0)
+    assert found.gemms == 0 and not found.ok
+    assert found.message.startswith("MISMATCH, SILENT FALLBACK: 0 float8")
+
+
+@pytest.mark.slow
+@pytest.mark.standard_promotion
+def test_float8_gpu_script_on_the_cpu_says_mismatch_and_exits_1(capsys):
+    # The whole script, as gpu.sh runs it, on a small model: the message
+    # in capitals on stderr, status 1, the timing table anyway.
+    gpu = _load("float8_gpu")
+    status = gpu.main(
+        ["--layers", "1", "--width", "32", "--heads", "2", "--context",
+         "16", "--batch", "4", "--rounds", "1", "--steps", "1"]
+    )  # fmt: skip
+    assert status == 1
+    captured = capsys.readouterr()
+    assert "MISMATCH, SILENT FALLBACK" in captured.err
+    assert "| float8 tensorwise |" in captured.out
+    assert "not float8 GEMMs' time" in captured.out
+
+
+def test_float8_gpu_check_counts_the_real_custom_call():
+    gpu = _load("float8_gpu")
+    dots = gpu.fp8_check.Fp8Dots
+    hlo = "\n".join([CUBLASLT_F8_LINE] * 3)
+    assert gpu.fp8_check.count_fp8_gemms(hlo) == 3
+    # A 16-bit cuBLAS GEMM is not one.
+    assert gpu.fp8_check.count_fp8_gemms(
+        CUBLASLT_F8_LINE.replace("$lt$matmul$f8", "$gemm")
+    ) == 0  # fmt: skip
+    assert gpu.compare(dots(1, 2, 0), 3).ok
+    assert gpu.compare(dots(1, 2, 0), 3).message.startswith("ok: 3 float8")
+    fallback = gpu.compare(dots(1, 2, 0), 2)
+    assert not fallback.ok and "SILENT FALLBACK" in fallback.message
+    assert "1 float8 matmuls did not" in fallback.message
+    assert not gpu.compare(dots(1, 2, 0), 4).ok  # more GEMMs than dots
+    assert not gpu.compare(dots(1, 1, 1), 3).ok  # e5m2 x e5m2
+    assert not gpu.compare(dots(0, 0, 0), 0).ok  # nothing to check

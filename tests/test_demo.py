@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+import lossscale
 from lossscale import demo
 from lossscale.demo import _gpt as _demo_gpt
 from lossscale.demo import _text as _demo_text
@@ -68,6 +69,10 @@ def png_size(path):
         (["--seed", "-1"], "--seed must be >= 0"),
         (["--model", "gpt", "--modes", "f32,int8"], "--modes must be distinct"),
         (["--model", "cnn"], "invalid choice: 'cnn'"),
+        (["--modes", "fp8"], "--modes must be distinct names"),  # gpt only
+        (["--width", "128"], "--width is for --model gpt"),
+        (["--model", "gpt", "--width", "66"], "--width must be a positive"),
+        (["--model", "gpt", "--width", "0"], "--width must be a positive"),
     ],
 )
 def test_bad_flags_give_a_message_not_a_traceback(args, message, capsys):
@@ -171,6 +176,68 @@ def test_gpt_runs_reports_and_plots(tmp_path, capsys):
     png = tmp_path / "gpt_demo.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (tmp_path / "results.md").exists()  # the MLP's
+
+
+def test_float8_modes_are_opt_in():
+    # Not in the default run (XLA:CPU emulates float8), accepted by name.
+    assert demo.parse_args(["--model", "gpt"]).modes == list(_demo_gpt.MODES)
+    named = demo.parse_args(
+        ["--model", "gpt", "--modes", ",".join(_demo_gpt.FLOAT8_MODES)]
+    )
+    assert named.modes == list(_demo_gpt.FLOAT8_MODES)
+    for mode, recipe in _demo_gpt.FLOAT8_MODES.items():
+        assert _demo_gpt.compute_dtype(mode) == lossscale.Float8(recipe)
+        assert isinstance(
+            _demo_gpt.loss_scale_for(mode), lossscale.NoOpLossScale
+        )
+
+
+@pytest.mark.slow
+def test_gpt_float8_modes_train(tmp_path, capsys):
+    # 10 steps of per-tensor scaling and of the row-wise recipe with a
+    # 16-bit weight gradient, the two ends of the recipes (each compile
+    # takes 10 to 30 s on 2 cores); the 300-step figures of all three are
+    # in docs/transformer.md.
+    modes = ["fp8", "fp8-rowwise-gw-hp"]
+    results = demo.main(
+        [
+            "--model",
+            "gpt",
+            "--steps",
+            "10",
+            "--modes",
+            ",".join(modes),
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert [r.mode for r in results] == modes
+    for r in results:
+        assert np.isfinite(r.losses).all() and np.isfinite(r.test_loss)
+        assert r.losses[0] > 4.4 > r.losses[-1]  # it learns
+        assert not r.skipped.any() and (r.scales == 1).all()
+    # The recipes round differently: close, not equal.
+    tensorwise, rowwise = results
+    assert abs(tensorwise.final_loss - rowwise.final_loss) < 0.05
+    assert np.abs(tensorwise.losses - rowwise.losses).max() > 0
+    out = capsys.readouterr().out
+    assert "| fp8-rowwise-gw-hp |" in out
+    assert (tmp_path / "gpt_demo.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_gpt_width_flag_reaches_the_model(tmp_path, monkeypatch, capsys):
+    seen = []
+
+    def fake_train(mode, steps, seed, progress=True, config=None):
+        seen.append(config)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(_demo_gpt, "train", fake_train)
+    args = ["--model", "gpt", "--width", "32", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit):
+        demo.main([*args, "--modes", "fp8"])
+    assert seen == [_demo_gpt.Config(width=32)]
+    assert "(width 32, context 64, batch 64)" in capsys.readouterr().out
 
 
 def _expected_dynamic_scales(skipped, initial, interval):

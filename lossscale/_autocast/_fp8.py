@@ -53,7 +53,11 @@ _POWER_OF_TWO_DEFAULT = {
 
 @dataclasses.dataclass(frozen=True)
 class Float8:
-    """How :func:`dot_general` runs a matmul in float8 (current scaling).
+    """A float8 recipe: how a matmul runs in float8 (current scaling).
+
+    Passed to :func:`lossscale.autocast` as its ``compute_dtype``
+    (``autocast(loss_fn, lossscale.Float8())``), it runs the eligible
+    matmuls in float8 and everything else in its 16-bit ``compute_dtype``.
 
     Each operand is quantised with a scale computed from its own values, in
     this step (*current*, or *dynamic*, scaling: no state, no amax

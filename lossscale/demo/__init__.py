@@ -22,7 +22,7 @@ the skipped steps and the final scale.
 
 ``python -m lossscale.demo --model gpt`` trains a small character-level GPT
 on the Python standard library's source instead, in the same four modes
-and ``bf16`` (see ``docs/transformer.md``).
+and ``bf16``, and on request in float8 (see ``docs/transformer.md``).
 """
 
 from lossscale.demo._cli import MODELS, main, parse_args

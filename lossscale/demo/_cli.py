@@ -38,7 +38,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         prog="python -m lossscale.demo",
         description="Train one model in float32, float16, float16 with a "
         "static loss scale and float16 with a dynamic loss scale (and, for "
-        "the GPT, bfloat16), and compare.",
+        "the GPT, bfloat16, and on request float8), and compare.",
     )
     parser.add_argument(
         "--model",
@@ -59,11 +59,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--modes",
         default=None,
-        help="comma-separated subset of the model's modes (mlp: "
+        help="comma-separated modes (mlp: "
         + ",".join(_mlp.MODES)
         + "; gpt: "
         + ",".join(_gpt.MODES)
-        + "); default all",
+        + ", and the float8 modes "
+        + ",".join(_gpt.FLOAT8_MODES)
+        + ", run only when named here, since a CPU emulates float8); "
+        "default all but the float8 ones",
+    )
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=None,
+        help=f"gpt only: the width of its layers (default "
+        f"{_gpt.Config().width}; {_gpt.Config().heads} heads whatever the "
+        "width)",
     )
     parser.add_argument(
         "--out",
@@ -80,8 +91,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--steps must be at least 10, got {args.steps}")
     if args.seed < 0:
         parser.error(f"--seed must be >= 0, got {args.seed}")
+    if args.width is not None:
+        heads = _gpt.Config().heads
+        if args.model != "gpt":
+            parser.error(
+                f"--width is for --model gpt, got --model {args.model}"
+            )
+        if args.width < heads or args.width % heads:
+            parser.error(
+                f"--width must be a positive multiple of {heads} (the "
+                f"heads), got {args.width}"
+            )
     if args.modes is None:
-        args.modes = ",".join(model.modes)
+        args.modes = ",".join(model.default_modes or model.modes)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in model.modes]
     if unknown or not modes or len(set(modes)) != len(modes):
@@ -120,6 +142,8 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
     args = parse_args(argv)
     prepare_out(args.out)
     model = MODELS[args.model]
+    if args.width is not None:
+        model = _gpt.model(_gpt.Config(width=args.width))
     print(
         f"Training {model.describe} for {args.steps} steps in each mode "
         f"({', '.join(args.modes)}); seed {args.seed}."

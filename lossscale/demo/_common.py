@@ -34,6 +34,9 @@ STYLES = {
     "dynamic": dict(color="tab:green", ls=":", lw=1.6),
     "bf16": dict(color="tab:purple", ls="-.", lw=1.2),
     "hand": dict(color="tab:orange", ls="--", lw=1.0),
+    "fp8": dict(color="tab:brown", ls="-", lw=1.2),
+    "fp8-rowwise": dict(color="tab:pink", ls="--", lw=1.2),
+    "fp8-rowwise-gw-hp": dict(color="tab:cyan", ls=":", lw=1.6),
 }
 
 
@@ -57,7 +60,7 @@ def compute_dtype(mode: str):
 class Model:
     """What the command line needs to know of one of the demo's models."""
 
-    modes: tuple[str, ...]
+    modes: tuple[str, ...]  # every mode --modes accepts
     steps: int  # the default number of steps per mode
     train: Callable[..., Result]  # train(mode, steps, seed, progress)
     describe: str  # "the 8-layer sigmoid MLP", for "Training ..."
@@ -65,6 +68,8 @@ class Model:
     test_label: str  # the table's name for the evaluation loss
     results: str  # file names in the output folder
     figure: str
+    # The modes run without --modes (default: all of them).
+    default_modes: tuple[str, ...] | None = None
 
 
 @dataclasses.dataclass

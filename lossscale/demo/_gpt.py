@@ -3,7 +3,7 @@
 A GPT-2-style decoder in flax NNX (pre-LayerNorm blocks of causal
 self-attention and a GELU MLP, learned positions, tied input and output
 embeddings) trained on the Python standard library's source (see
-:mod:`lossscale.demo._text`) in six modes:
+:mod:`lossscale.demo._text`) in six modes by default:
 
 1. ``f32``: float32 compute (the reference);
 2. ``f16``: :func:`lossscale.autocast` to float16 (float32 master
@@ -14,6 +14,24 @@ embeddings) trained on the Python standard library's source (see
 6. ``hand``: float16 cast by hand (``dtype=`` on every layer, the attention
    scores and the logits cast to float32), with the dynamic scale: what
    autocast replaces, for comparison.
+
+and, on request (``--modes``), three float8 modes, one per recipe of
+:class:`lossscale.Float8` (current scaling):
+
+7. ``fp8``: ``autocast(loss_fn, lossscale.Float8("tensorwise"))``;
+8. ``fp8-rowwise``: ``Float8("rowwise")``;
+9. ``fp8-rowwise-gw-hp``: ``Float8("rowwise_with_gw_hp")``.
+
+Each runs the linear layers' matmuls (``x @ w`` of q, k, v, the attention
+output and the MLP) in float8 and everything else, attention's batched
+matmuls and the output head included, as the ``bf16`` mode does. They
+need no loss scale: every float8 operand and gradient is scaled by its own
+amax in that step (current scaling), so a small gradient is scaled up into
+float8's range before it is quantised, whatever the loss scale, and the
+rest of the program is bfloat16, whose exponent range is float32's. They
+are not in the default run because XLA:CPU has no float8 arithmetic: it
+emulates each float8 matmul in float32 plus the quantisation, and a step
+of per-tensor scaling takes about twice a bfloat16 step's time there.
 
 The model is written once, in float32, with no dtype arguments and no
 casts; autocast decides the precision of each operation. The setup is the
@@ -41,6 +59,12 @@ from lossscale.demo import _text as text
 from lossscale.demo._common import Result, require
 
 MODES = ("f32", "f16", "static", "dynamic", "bf16", "hand")
+# The float8 modes (not run by default) and their lossscale.Float8 recipe.
+FLOAT8_MODES = {
+    "fp8": "tensorwise",
+    "fp8-rowwise": "rowwise",
+    "fp8-rowwise-gw-hp": "rowwise_with_gw_hp",
+}
 STEPS = 300
 TRAIN_CHARS, HELDOUT_CHARS, EVAL_WINDOWS = 2_000_000, 100_000, 1024
 STATIC_SCALE = 2.0**15
@@ -55,7 +79,8 @@ class Config:
     """The model's size and the optimizer's settings.
 
     The defaults train 300 steps in under a minute per mode on a 2-core
-    CPU: 4096 characters per batch, 210k weights.
+    CPU: 4096 characters per batch, 210k weights. ``--width`` on the
+    command line changes ``width`` alone (the heads stay 4).
     """
 
     layers: int = 4
@@ -183,6 +208,14 @@ def make_model(seed: int, config: Config = Config(), hand_cast=None):
     return GPT(nnx.Rngs(seed))
 
 
+def compute_dtype(mode: str):
+    """What ``mode`` passes to :func:`lossscale.autocast`: a dtype, or a
+    :class:`lossscale.Float8` recipe for the float8 modes."""
+    if mode in FLOAT8_MODES:
+        return lossscale.Float8(FLOAT8_MODES[mode])
+    return common.compute_dtype(mode)
+
+
 def loss_scale_for(mode: str) -> lossscale.LossScale:
     if mode == "static":
         return lossscale.StaticLossScale(STATIC_SCALE)
@@ -264,7 +297,7 @@ def train(
         return cross_entropy(nnx.merge(graphdef, params)(inputs), targets)
 
     if mode not in ("f32", "hand"):
-        loss_fn = lossscale.autocast(loss_fn, common.compute_dtype(mode))
+        loss_fn = lossscale.autocast(loss_fn, compute_dtype(mode))
     step = common.make_step(loss_fn, sampler(config), tx)
     keys = jax.random.split(jax.random.key(seed + 1), steps)
     params, records, seconds = common.run_steps(
@@ -283,23 +316,32 @@ def train(
     return common.result(mode, records, loss, None, seconds)
 
 
-MODEL = common.Model(
-    modes=MODES,
-    steps=STEPS,
-    train=train,
-    describe=f"a {Config().layers}-layer character-level GPT on the Python "
-    "standard library's source",
-    plot=functools.partial(
-        common.plot,
-        title=f"{Config().layers}-layer character-level GPT (width "
-        f"{Config().width}, context {Config().context}, batch "
-        f"{Config().batch}) on the Python standard library's source",
-        # The modes differ by hundredths of a nat and float16's underflow
-        # peaks at a tenth of the elements: both need a closer look.
-        zero_ylim=None,
-        difference_window=25,
-    ),
-    test_label="held-out loss",
-    results="gpt_results.md",
-    figure="gpt_demo.png",
-)
+def model(config: Config = Config()) -> common.Model:
+    """What the command line needs to know of the GPT of this size."""
+    size = (
+        f"width {config.width}, context {config.context}, batch {config.batch}"
+    )
+    return common.Model(
+        modes=(*MODES, *FLOAT8_MODES),
+        default_modes=MODES,
+        steps=STEPS,
+        train=functools.partial(train, config=config),
+        describe=f"a {config.layers}-layer character-level GPT ({size}) on "
+        "the Python standard library's source",
+        plot=functools.partial(
+            common.plot,
+            title=f"{config.layers}-layer character-level GPT ({size}) on "
+            "the Python standard library's source",
+            # The modes differ by hundredths of a nat and float16's
+            # underflow peaks at a tenth of the elements: both need a
+            # closer look.
+            zero_ylim=None,
+            difference_window=25,
+        ),
+        test_label="held-out loss",
+        results="gpt_results.md",
+        figure="gpt_demo.png",
+    )
+
+
+MODEL = model()
