@@ -53,26 +53,55 @@ def wrap(fun: Callable[..., Any], config: Config, out_dtype: Any) -> Autocast:
     """``fun`` under autocast: the wrapper made before for the same
     function and configuration, if it lives, else a new one."""
     key = (config, out_dtype)
-    table = None
-    if isinstance(fun, types.FunctionType | functools.partial):
-        # Kept on the function, so that it lives exactly as long (a
-        # reference cycle, which the collector clears).
-        table = fun.__dict__
+    table = _table_of(fun)
     with _INTERN_LOCK:
         cache = table.get(_ATTRIBUTE) if table is not None else None
-        hit = cache.get(key) if isinstance(cache, dict) else None
+        hit = cache.get(key) if isinstance(cache, _Interned) else None
         if hit is not None and hit.__wrapped__ is fun:
             return hit
         wrapper = Autocast(fun, config, out_dtype)
         if table is not None:
-            if not isinstance(cache, dict) or any(
+            if not isinstance(cache, _Interned) or any(
                 w.__wrapped__ is not fun for w in cache.values()
             ):
                 # None yet, or one copied from another function by
                 # functools.wraps.
-                cache = table[_ATTRIBUTE] = {}
+                cache = table[_ATTRIBUTE] = _Interned()
             cache[key] = wrapper
         return wrapper
+
+
+def _table_of(fun: Any) -> dict[str, Any] | None:
+    """Where the wrappers of ``fun`` are kept, so that they live exactly as
+    long as it does (a reference cycle, which the collector clears): its
+    ``__dict__``, for a function, a ``functools.partial``, a ``jax.jit``-ed
+    function or a callable object; ``None`` for a bound method (a new
+    object each time) and a pytree (a flax NNX or equinox module, whose
+    attributes are its structure)."""
+    if isinstance(fun, types.MethodType | types.BuiltinFunctionType | type):
+        return None
+    table = getattr(fun, "__dict__", None)
+    if not isinstance(table, dict):
+        return None
+    if isinstance(fun, types.FunctionType | functools.partial):
+        return table
+    if not jax.tree_util.treedef_is_leaf(jax.tree.structure(fun)):
+        return None
+    return table
+
+
+class _Interned(dict):
+    """A function's wrappers, by configuration: not copied or pickled with
+    the function (a wrapper holds locks and compiled programs)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return _Interned, ()
+
+    def __copy__(self) -> _Interned:
+        return _Interned()
+
+    def __deepcopy__(self, memo: Any) -> _Interned:
+        return _Interned()
 
 
 class Autocast:
@@ -125,7 +154,12 @@ class Autocast:
         if split is None:
             return self._traced(*args, **kwargs)
         key, arrays = split
-        return self._compiled_for(key, arrays)(*arrays)
+        run = self._compiled_for(key, arrays)
+        if run is None:
+            # It closes over device arrays (a model's weights): a program
+            # compiled once would keep the values of its first call.
+            return self._traced(*args, **kwargs)
+        return run(*arrays)
 
     def _traced(self, *args: Any, **kwargs: Any) -> Any:
         return self._result(args, kwargs).value
@@ -144,24 +178,32 @@ class Autocast:
             )
         return result
 
-    def _compiled_for(self, key: Any, arrays: list[Any]) -> Callable[..., Any]:
+    def _compiled_for(
+        self, key: Any, arrays: list[Any]
+    ) -> Callable[..., Any] | None:
+        """The program compiled for ``key`` (``None``: the function is
+        traced on every call)."""
         with self._lock:
-            run = self._compiled.get(key)
-            if run is not None:
+            if key in self._compiled:
                 self._compiled.move_to_end(key)  # the most recently used
-                return run
+                run = self._compiled[key]
+                return None if run is _TRACED else run
             if len(self._compiled) >= COMPILED_LIMIT:
                 self._compiled.popitem(last=False)  # the least recently used
             # Traced first (the call then reuses the trace), to learn which
-            # arguments a jax.jit of the program donates: those the eager
-            # call donates too, as the jit called eagerly would.
-            found: list[frozenset[int]] = []
+            # arguments a jax.jit of the program donates (those the eager
+            # call donates too, as the jit called eagerly would), and
+            # whether it closes over device arrays.
+            found: list[_run.Result] = []
             fun = _with_static(self._result, key, found)
             run = jax.jit(fun)
             run.trace(*arrays)
-            if found and found[-1]:
-                run = jax.jit(fun, donate_argnums=tuple(sorted(found[-1])))
-            self._compiled[key] = run
+            (traced,) = found
+            if traced.donated:
+                run = jax.jit(fun, donate_argnums=tuple(sorted(traced.donated)))
+            # Called once as compiled (the values it holds are this call's),
+            # then traced on every call if it closes over device arrays.
+            self._compiled[key] = _TRACED if traced.captures else run
             structure = (key[0], tuple(i for i, _ in key[2]))
             self._compiles[structure] += 1
             if (
@@ -211,6 +253,9 @@ class _Static:
     def __hash__(self) -> int:
         return hash(self._key)
 
+
+# A key's entry when the function closes over device arrays.
+_TRACED = object()
 
 _ARRAY_TYPES: set[type] = {np.ndarray}
 _STRUCTURES: collections.OrderedDict[Any, bool] = collections.OrderedDict()
@@ -262,7 +307,9 @@ def _split_static(tree: Any) -> tuple[Any, list[Any]] | None:
             static.append((i, _Static(leaf)))
     if _holds_variables(tree, treedef):
         return None
-    key = (treedef, len(leaves), tuple(static))
+    # The structure's text too: its node data (an equinox static field)
+    # compare with ==, for which 0.0 and -0.0 are one value.
+    key = (treedef, len(leaves), tuple(static), str(treedef))
     try:
         hash(key)
     except TypeError:
@@ -273,12 +320,11 @@ def _split_static(tree: Any) -> tuple[Any, list[Any]] | None:
 def _with_static(
     result: Callable[[Any, Any], _run.Result],
     key: Any,
-    donated: list[frozenset[int]],
+    traces: list[_run.Result],
 ) -> Callable[..., Any]:
     """The value of ``result`` of the arrays, the static leaves of ``key``
-    put back; the donated positions of each trace appended to
-    ``donated``."""
-    treedef, n, static = key
+    put back; each trace's result appended to ``traces``."""
+    treedef, n, static, _ = key
     fixed = {i: s.value for i, s in static}
     dynamic = [i for i in range(n) if i not in fixed]
 
@@ -288,7 +334,7 @@ def _with_static(
             leaves[i] = array
         args, kwargs = jax.tree.unflatten(treedef, leaves)
         traced = result(args, kwargs)
-        donated.append(traced.donated)
+        traces.append(traced)
         return traced.value
 
     return run

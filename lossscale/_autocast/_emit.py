@@ -119,16 +119,30 @@ def _float8(call: Call, eqn: Any, invals: list[Any]) -> list[Any]:
     """A matmul in float8: its operands are quantised from the dtypes they
     are stored in (a float32 weight directly, not through 16 bits)."""
     lhs, rhs = invals
-    with _compat.equation_context(eqn):
-        return [
-            _fp8.dot_general(
-                lhs,
-                rhs,
-                eqn.params["dimension_numbers"],
-                call.config.float8,
-                out_sharding=eqn.params.get("out_sharding"),
-            )
-        ]
+    try:
+        with _compat.equation_context(eqn):
+            return [
+                _fp8.dot_general(
+                    lhs,
+                    rhs,
+                    eqn.params["dimension_numbers"],
+                    call.config.float8,
+                    out_sharding=eqn.params.get("out_sharding"),
+                )
+            ]
+    except TypeError as err:
+        if "forward-mode" not in str(err):
+            raise
+        raise TypeError(
+            "lossscale.autocast with a Float8 recipe: forward-mode "
+            "differentiation (jax.jvp, jax.jacfwd, jax.linearize) of a "
+            "float8 matmul is not supported, since its gradient is a "
+            "jax.custom_vjp (JAX's message is chained below). Keep the "
+            "matmuls 16-bit where you need it: "
+            "lossscale.autocast(fun, lossscale.Float8(...), "
+            "rules={'dot_general': 'compute'}), or use reverse mode "
+            "(jax.grad, jax.vjp, jax.jacrev)."
+        ) from err
 
 
 def bind(eqn: Any, node: Node, invals: Sequence[Any], dtype: Any) -> list[Any]:

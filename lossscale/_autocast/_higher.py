@@ -605,8 +605,10 @@ def _custom_jvp_emit(call: Call, eqn: Any, node: Node, invals: list) -> list:
         ]
         n_out = len(plan.outs)
         extra = [False] * (len(jaxpr.outvars) - n_out)
+        # No float8 in a JVP rule: its tangent matmuls would be float8
+        # custom_vjps, which JAX can differentiate but not transpose.
         jplan = _infer.infer(
-            config,
+            config.sixteen_bit,
             jaxpr,
             const_infos(config, jvp_consts),
             [*classes, *tangent_classes],

@@ -754,6 +754,8 @@ def _wide_result(eqn: Any) -> bool:
 def float8_ineligible(eqn: Any, float8: Any) -> str | None:
     """Why a ``dot_general`` of the float8 kind runs in the 16-bit
     compute dtype instead (``None``: it runs in float8)."""
+    if not all(is_float(v.aval.dtype) for v in eqn.invars):
+        return "an operand that is not floating point"
     if _compat.explicit_precision(eqn):
         return "precision above DEFAULT"
     if _wide_result(eqn):

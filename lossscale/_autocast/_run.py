@@ -30,8 +30,12 @@ class Result(NamedTuple):
     used: frozenset[tuple[str, str]]  # the overrides that applied
     functions: frozenset[str]  # the functions the program called
     # The positions of the array arguments that a jax.jit called on them
-    # directly donates (so that an eager call may donate them too).
+    # directly donates, and an output of the same type could take (so that
+    # an eager call may donate them too).
     donated: frozenset[int] = frozenset()
+    # Whether the function read device arrays it closes over (a model's
+    # weights, a global): a program compiled from this trace holds them.
+    captures: bool = False
 
 
 def is_array(x: Any) -> bool:
@@ -165,19 +169,36 @@ def call(
             t.holders[t.dynamic[j]], cast_to(x, dtype_of(t.arrays[j]))
         )
     value = jax.tree.unflatten(jax.tree.structure(t.out_shape), results)
-    return Result(value, t.plan.used, t.plan.functions, _donated(jaxpr))
+    captures = any(
+        isinstance(c, jax.Array) and not _compat.is_tracer(c)
+        for c in t.closed.consts
+    )
+    return Result(
+        value,
+        t.plan.used,
+        t.plan.functions,
+        _donated(jaxpr, results),
+        captures,
+    )
 
 
-def _donated(jaxpr: Any) -> frozenset[int]:
-    """The inputs of ``jaxpr`` that a ``jax.jit`` it calls donates."""
+def _donated(jaxpr: Any, outs: list[Any]) -> frozenset[int]:
+    """The inputs of ``jaxpr`` that a ``jax.jit`` it calls donates, each
+    for an output of its type (XLA can only reuse a donated buffer for
+    one; plain JAX warns of the others)."""
     position = {v: k for k, v in enumerate(jaxpr.invars)}
+    free = [(np.shape(x), dtype_of(x)) for x in outs]
     found = set()
     for eqn in jaxpr.eqns:
         flags = eqn.params.get("donated_invars") or ()
         if not _compat.is_jit(eqn):
             continue
         for atom, donated in zip(eqn.invars, flags, strict=False):
-            if donated and _compat.is_var(atom) and atom in position:
+            if not (donated and _compat.is_var(atom) and atom in position):
+                continue
+            kind = (tuple(atom.aval.shape), atom.aval.dtype)
+            if kind in free and position[atom] not in found:
+                free.remove(kind)
                 found.add(position[atom])
     return frozenset(found)
 
