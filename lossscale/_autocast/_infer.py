@@ -322,103 +322,159 @@ def _plan(
     planning = _Planning(config, jf)
     if any(as_traced):
         planning.as_traced = jf.cone(as_traced)
-    known = _Facts({}, {}, {})
-    decided: dict[Any, Any] = {}
+    rounds = _Rounds(planning, jaxpr, consts, ins, out_only32, out_demanded)
     n_vars = sum(len(e.outvars) for e in jf.eqns)
     for _ in range(3 * n_vars + 2):
-        nodes, outs = _forward_round(
-            planning, jaxpr, consts, ins, known, decided
-        )
-        new, in_reads32, in_demanded = _backward_round(
-            jf, jaxpr, nodes, out_only32, out_demanded
-        )
-        merged = known.merged(new)
-        if merged == known:
+        rounds.forward()
+        in_reads32, in_demanded = rounds.backward()
+        if not rounds.merge():
             return _finish(
                 planning,
-                nodes,
+                rounds.nodes,
                 tuple(c.cls for c in consts),
                 ins,
-                outs,
+                rounds.out_classes(),
                 in_reads32,
                 in_demanded,
             )
-        known = merged
     raise RuntimeError(  # pragma: no cover - each fact changes once
         "lossscale.autocast: the inference pass did not converge."
     )
 
 
-def _forward_round(
-    planning: _Planning,
-    jaxpr: Any,
-    consts: Sequence[Info],
-    ins: tuple[Cls, ...],
-    known: _Facts,
-    decided: dict[Any, Any],
-) -> tuple[dict[Any, Node], tuple[Cls, ...]]:
-    """Every equation's node from its operands' classes and its results'
-    facts, in order; and the classes of the jaxpr's outputs."""
-    jf, compute = planning.facts, planning.config.compute
-    env: dict[Any, Info] = dict(zip(jaxpr.constvars, consts, strict=True))
-    env.update((v, Info(c)) for v, c in zip(jaxpr.invars, ins, strict=True))
+def _same(a: Info, b: Info | None) -> bool:
+    return b is not None and a.cls == b.cls and a.value is b.value
 
-    def read(atom: Any) -> Info:
+
+class _Rounds:
+    """The fixed point of one plan, round by round. Each round goes
+    forwards (every equation's node from its operands' classes and its
+    results' facts) and backwards (what each variable's readers make of
+    it); after the first, a round revisits only what changed: the
+    equations whose operands' classes or results' facts changed, and the
+    variables whose readers' nodes or results' facts did."""
+
+    def __init__(
+        self,
+        planning: _Planning,
+        jaxpr: Any,
+        consts: Sequence[Info],
+        ins: tuple[Cls, ...],
+        out_only32: Sequence[bool],
+        out_demanded: Sequence[bool],
+    ) -> None:
+        self.planning = planning
+        self.jf = planning.facts
+        self.jaxpr = jaxpr
+        self.out_only32, self.out_demanded = out_only32, out_demanded
+        self.env: dict[Any, Info] = dict(
+            zip(jaxpr.constvars, consts, strict=True)
+        )
+        self.env.update(
+            (v, Info(c)) for v, c in zip(jaxpr.invars, ins, strict=True)
+        )
+        self.nodes: dict[Any, Node] = {}
+        self.known = _Facts({}, {}, {})  # the facts, merged over rounds
+        self.new = _Facts({}, {}, {})  # the last backward round's
+        self.first = True
+        self.stale: set[Any] = set()  # variables whose facts just changed
+        self.changed_nodes: set[Any] = set()
+        self.changed_new: set[Any] = set()
+
+    def read(self, atom: Any) -> Info:
         if _compat.is_literal(atom):
-            return jf.literal(atom, compute)
-        return env[atom]
+            return self.jf.literal(atom, self.planning.config.compute)
+        return self.env[atom]
 
-    nodes: dict[Any, Node] = {}
-    for eqn in jf.eqns:
-        infos = [read(a) for a in eqn.invars]
-        backward = known.of(eqn)
-        # What the rule decides from; unchanged since the last round (most
-        # equations, after the first), the same decision.
-        key = ([(i.cls, id(i.value)) for i in infos], backward)
-        hit = decided.get(eqn)
-        if hit is not None and hit[0] == key:
-            node, outs = hit[1]
-        else:
-            node, outs = _forward(planning, eqn, infos, *backward)
-            decided[eqn] = (key, (node, outs))
-        nodes[eqn] = node
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return nodes, tuple(read(a).cls for a in jaxpr.outvars)
+    def out_classes(self) -> tuple[Cls, ...]:
+        return tuple(self.read(a).cls for a in self.jaxpr.outvars)
 
+    def forward(self) -> None:
+        changed_env: set[Any] = set()
+        self.changed_nodes = set()
+        for eqn in self.jf.eqns:
+            if not (
+                self.first
+                or any(v in self.stale for v in eqn.outvars)
+                or any(
+                    _compat.is_var(a) and a in changed_env for a in eqn.invars
+                )
+            ):
+                continue
+            infos = [self.read(a) for a in eqn.invars]
+            node, outs = _forward(
+                self.planning, eqn, infos, *self.known.of(eqn)
+            )
+            if self.nodes.get(eqn) != node:
+                self.changed_nodes.add(eqn)
+                self.nodes[eqn] = node
+            for var, info in zip(eqn.outvars, outs, strict=True):
+                if not _same(info, self.env.get(var)):
+                    changed_env.add(var)
+                    self.env[var] = info
 
-def _backward_round(
-    jf: JaxprFacts,
-    jaxpr: Any,
-    nodes: dict[Any, Node],
-    out_only32: Sequence[bool],
-    out_demanded: Sequence[bool],
-) -> tuple[_Facts, tuple[bool, ...], tuple[bool, ...]]:
-    """What each variable's readers make of it, from the last equation to
-    the first; and, per input of the jaxpr, whether it is read in float32
-    and whether it reaches a float32 operation."""
-    new = _Facts({}, {}, {})
-
-    def uses(var: Any) -> list[tuple[bool | None, bool]]:
+    def _uses(self, var: Any) -> list[tuple[bool | None, bool]]:
+        jf, nodes, new = self.jf, self.nodes, self.new
         result = [
-            _use(jf, nodes, new, eqn, i) for eqn, i in jf.readers.get(var, ())
+            _use(jf, nodes, new, e, i) for e, i in jf.readers.get(var, ())
         ]
         for j in jf.outputs.get(var, ()):
-            result.append((out_only32[j], out_demanded[j]))
+            result.append((self.out_only32[j], self.out_demanded[j]))
         return result
 
-    for eqn in reversed(jf.eqns):
-        for var in eqn.outvars:
-            u = uses(var)
-            reads = [r for r, _ in u if r is not None]
-            new.only32[var] = bool(reads) and all(reads)
-            new.demanded[var] = any(d for _, d in u)
-            new.unrounded[var] = _unrounded(jf, nodes, new, var)
-    used = [uses(var) for var in jaxpr.invars]
-    return (
-        new,
-        tuple(any(r for r, _ in u) for u in used),
-        tuple(any(d for _, d in u) for u in used),
-    )
+    def _dirty(self, var: Any) -> bool:
+        return any(
+            eqn in self.changed_nodes
+            or any(v in self.changed_new for v in eqn.outvars)
+            for eqn, _ in self.jf.readers.get(var, ())
+        )
+
+    def backward(self) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+        """This round's facts, and per input of the jaxpr, whether it is
+        read in float32 and whether it reaches a float32 operation."""
+        new = self.new
+        self.changed_new = set()
+        for eqn in reversed(self.jf.eqns):
+            for var in eqn.outvars:
+                if not (self.first or self._dirty(var)):
+                    continue
+                u = self._uses(var)
+                reads = [r for r, _ in u if r is not None]
+                facts = (
+                    bool(reads) and all(reads),
+                    any(d for _, d in u),
+                    _unrounded(self.jf, self.nodes, new, var),
+                )
+                old = (
+                    new.only32.get(var),
+                    new.demanded.get(var),
+                    new.unrounded.get(var),
+                )
+                if facts != old:
+                    self.changed_new.add(var)
+                    new.only32[var], new.demanded[var], new.unrounded[var] = (
+                        facts
+                    )
+        used = [self._uses(var) for var in self.jaxpr.invars]
+        return (
+            tuple(any(r for r, _ in u) for u in used),
+            tuple(any(d for _, d in u) for u in used),
+        )
+
+    def merge(self) -> bool:
+        """Or this round's facts into the known ones; whether any changed
+        (if none did, the plan is found)."""
+        known, new = self.known, self.new
+        self.stale = set()
+        for var in new.only32 if self.first else self.changed_new:
+            for mine, theirs in zip(known, new, strict=True):
+                if theirs[var] and not mine.get(var, False):
+                    mine[var] = True
+                    self.stale.add(var)
+                elif var not in mine:
+                    mine[var] = False
+        self.first = False
+        return bool(self.stale)
 
 
 def _use(
