@@ -150,6 +150,9 @@ class EqnFacts(NamedTuple):
     record: R.Record | None  # its default record
     matmul: bool
     moves: bool  # moves or selects values (an explicit cast included)
+    float_in: tuple[bool, ...]  # per operand: a float
+    float32_in: tuple[bool, ...]  # per operand: traced in float32
+    float_out: tuple[bool, ...]  # per result: a float
 
 
 def in_float32_scope(eqn: Any) -> bool:
@@ -168,6 +171,12 @@ def eqn_facts(eqn: Any) -> EqnFacts:
         matmul=record is not None and record.kind is R.Kind.MATMUL,
         moves=(record is not None and record.moves)
         or eqn.primitive is _CONVERT,
+        float_in=tuple(is_float(a.aval.dtype) for a in eqn.invars),
+        float32_in=tuple(
+            is_float(a.aval.dtype) and np.dtype(a.aval.dtype) == np.float32
+            for a in eqn.invars
+        ),
+        float_out=tuple(is_float(v.aval.dtype) for v in eqn.outvars),
     )
 
 
@@ -622,34 +631,37 @@ def make_node(
     infos: Sequence[Info],
     outs: Sequence[Cls],
     remat: bool = False,
+    ef: EqnFacts | None = None,
 ) -> Node:
     """A first-order equation's node: which operands it reads in float32
     follows from its mode."""
-    reads32 = []
-    for atom, info in zip(eqn.invars, infos, strict=True):
-        float_in = is_float(atom.aval.dtype) and info.cls != Cls.KEEP
-        if mode is Mode.FLOAT32:
-            reads32.append(float_in)
-        elif mode is Mode.TRACED:
-            reads32.append(float_in and np.dtype(atom.aval.dtype) == np.float32)
-        else:
-            reads32.append(False)
-    return Node(
-        mode,
-        tuple(i.cls for i in infos),
-        tuple(outs),
-        tuple(reads32),
-        None,
-        remat,
-    )
+    ef = eqn_facts(eqn) if ef is None else ef
+    classes = tuple(i.cls for i in infos)
+    if mode is Mode.FLOAT32:
+        flags = ef.float_in
+    elif mode is Mode.TRACED:
+        flags = ef.float32_in
+    else:
+        flags = None
+    if flags is None:
+        reads32 = (False,) * len(infos)
+    else:
+        reads32 = tuple(
+            f and c != Cls.KEEP for f, c in zip(flags, classes, strict=True)
+        )
+    return Node(mode, classes, tuple(outs), reads32, None, remat)
 
 
 def traced(
-    eqn: Any, infos: Sequence[Info], compute: np.dtype
+    eqn: Any,
+    infos: Sequence[Info],
+    compute: np.dtype,
+    ef: EqnFacts | None = None,
 ) -> tuple[Node, list[Info]]:
     """The equation at the dtypes it was traced with."""
     outs = [of_dtype(v.aval.dtype, compute) for v in eqn.outvars]
-    return make_node(eqn, Mode.TRACED, infos, outs), [Info(c) for c in outs]
+    node = make_node(eqn, Mode.TRACED, infos, outs, ef=ef)
+    return node, [Info(c) for c in outs]
 
 
 def function_rule(config: Config, name: str | None) -> R.FunctionRule | None:
@@ -769,12 +781,13 @@ class KindArgs(NamedTuple):
     unrounded: list[bool]
     compute: np.dtype
     float8: Any
+    facts: EqnFacts
 
     def result(
         self, mode: Mode, cls: Cls, remat: bool = False
     ) -> tuple[Node, list[Info]]:
         outs = [cls if f else Cls.KEEP for f in self.float_outs]
-        node = make_node(self.eqn, mode, self.infos, outs, remat)
+        node = make_node(self.eqn, mode, self.infos, outs, remat, self.facts)
         return node, [Info(c) for c in outs]
 
 
@@ -886,7 +899,7 @@ def _forward(
     compute = config.compute
     ef = planning.facts.of[eqn]
     if ef.scoped or eqn in planning.as_traced:
-        return traced(eqn, infos, compute)
+        return traced(eqn, infos, compute, ef)
     higher = HIGHER.get(eqn.primitive)
     if higher is not None or ef.function is not None:
         rule = function_rule(config, ef.function)
@@ -895,60 +908,48 @@ def _forward(
         ):
             planning.used.add(("function", ef.function))
         if rule in ("float32", "original") or higher is None:
-            return traced(eqn, infos, compute)  # custom_vjp: run whole
+            return traced(eqn, infos, compute, ef)  # custom_vjp: run whole
         if rule == "compute":
             config = config.sixteen_bit
         node = higher.infer(config, eqn, infos, only32, demanded)
         return node, [Info(c) for c in node.outs]
-    if any(
-        i.cls == Cls.KEEP and is_float(a.aval.dtype)
-        for i, a in zip(infos, eqn.invars, strict=True)
-    ):
-        return traced(eqn, infos, compute)
+    floats = {i.cls for i, f in zip(infos, ef.float_in, strict=True) if f}
+    if Cls.KEEP in floats:
+        return traced(eqn, infos, compute, ef)
     if eqn.primitive is _CONVERT:
         return _convert(planning, eqn, infos, compute)
     record, override = config.record(eqn.primitive)
     if override is not None:
         planning.used.add(("primitive", override))
     if record is None:
-        return traced(eqn, infos, compute)
-    floats = {
-        i.cls
-        for i, a in zip(infos, eqn.invars, strict=True)
-        if is_float(a.aval.dtype)
-    }
+        return traced(eqn, infos, compute, ef)
     if floats <= {Cls.CONST16}:
-        foldable = record.foldable and any(
-            is_float(v.aval.dtype) for v in eqn.outvars
-        )
+        foldable = record.foldable and any(ef.float_out)
         values = _fold(planning, eqn, infos) if foldable else None
         if values is not None:
             outs = [
                 of_value(v, a.aval.dtype, compute)
                 for v, a in zip(values, eqn.outvars, strict=True)
             ]
-            node = make_node(eqn, Mode.TRACED, infos, outs)
+            node = make_node(eqn, Mode.TRACED, infos, outs, ef=ef)
             return node, [Info(c, v) for c, v in zip(outs, values, strict=True)]
         if floats and ef.moves:
-            outs = [
-                Cls.CONST16 if is_float(v.aval.dtype) else Cls.KEEP
-                for v in eqn.outvars
-            ]
-            return make_node(eqn, Mode.TRACED, infos, outs), [
-                Info(c) for c in outs
-            ]
-        return traced(eqn, infos, compute)
+            outs = [Cls.CONST16 if f else Cls.KEEP for f in ef.float_out]
+            node = make_node(eqn, Mode.TRACED, infos, outs, ef=ef)
+            return node, [Info(c) for c in outs]
+        return traced(eqn, infos, compute, ef)
     args = KindArgs(
         eqn,
         record,
         infos,
         floats,
-        [is_float(v.aval.dtype) for v in eqn.outvars],
+        list(ef.float_out),
         only32,
         demanded,
         unrounded,
         compute,
         config.float8,
+        ef,
     )
     return KINDS[record.kind](args)
 
