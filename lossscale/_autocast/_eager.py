@@ -91,7 +91,7 @@ def _table_of(fun: Any) -> dict[str, Any] | None:
 
 
 class _Interned(dict):
-    """A function's wrappers, by configuration: not copied or pickled with
+    """A function's wrappers, by configuration: not copied or serialised with
     the function (a wrapper holds locks and compiled programs)."""
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
