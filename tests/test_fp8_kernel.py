@@ -509,10 +509,38 @@ def test_scan_checkpoint_and_vmap_give_the_same_gradients():
     batched = jax.jit(jax.vmap(jax.grad(unrolled, 1), (None, 0)))(
         ws, x[:, None]
     )
-    one = jax.jit(jax.grad(unrolled, 1))
+    # Eager, not jitted: jax 0.9.2's XLA:CPU miscompiles the jitted
+    # gradient of one row (test_jitted_gradient_of_one_row_matches_eager).
+    one = jax.grad(unrolled, 1)
     for i in range(x.shape[0]):
         expected = one(ws, x[i : i + 1])
         np.testing.assert_allclose(batched[i], expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.xfail(
+    (0, 9) <= jax.__version_info__ < (0, 10),
+    strict=True,
+    reason="jax 0.9.2's XLA:CPU: the jitted gradient of two float8 layers "
+    "on one row differs from the eager one by up to 0.32 (measured "
+    "2026-12-03; 0.7.0, 0.10.2 and 0.12.0.1 agree to float32 rounding; "
+    "0.8.3 not measured; another draw of values agreed: the cause is not "
+    "yet read from the HLO)",
+)
+def test_jitted_gradient_of_one_row_matches_eager():
+    config = CONFIGS["tensorwise"]
+    dims = dimension_numbers("ik,kj->ij")
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 8), np.float32)[:1]  # the row above
+    ws = rng.standard_normal((2, 8, 8), np.float32)
+
+    def unrolled(ws, x):
+        for w in ws:
+            x = jnp.tanh(_fp8.dot_general(x, w, dims, config).astype(F32))
+        return jnp.sum(x**2)
+
+    eager = jax.grad(unrolled, 1)(ws, x)
+    jitted = jax.jit(jax.grad(unrolled, 1))(ws, x)
+    np.testing.assert_allclose(jitted, eager, rtol=1e-6, atol=1e-6)
 
 
 def test_shard_map_gradients_are_the_sums_of_per_device_ones():
