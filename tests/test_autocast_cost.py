@@ -21,6 +21,8 @@ import lossscale
 from lossscale import _compat
 from lossscale._autocast import _infer
 
+F16 = jnp.float16
+
 
 def _spy_folds(monkeypatch):
     """The output sizes of every equation autocast folds at trace time."""
@@ -214,3 +216,72 @@ def test_an_eager_call_donates_what_the_program_donates():
     x = jnp.ones((64, 64))
     lossscale.autocast(lambda x, y: plain(x, y), jnp.float16)(x, y)
     assert not x.is_deleted()
+
+
+# --- float32 islands under jax.grad ----------------------------------------
+
+
+def _island_checkpoints(fn, *args):
+    """The checkpoints autocast put around float32 islands in ``fn``'s
+    jaxpr (JAX's remat equations under the islands' name scope)."""
+    from helpers import equations
+
+    from lossscale._autocast._islands import SCOPE
+
+    return [
+        eqn
+        for eqn in equations(jax.make_jaxpr(fn)(*args))
+        if "prevent_cse" in eqn.params and SCOPE in _compat.name_stack(eqn)
+    ]
+
+
+def _layer_args(layers=4, width=32):
+    keys = jax.random.split(jax.random.key(0), 3)
+    p = {
+        "w": jax.random.normal(keys[0], (layers, width, width)) / width**0.5,
+        "b": jax.random.normal(keys[1], (layers, width)),
+    }
+    return p, jax.random.normal(keys[2], (8, width))
+
+
+def test_a_float32_run_that_keeps_nothing_gets_no_checkpoint():
+    # A bias add and a scaling of a float16 matmul's result, read in
+    # float32: their derivative keeps nothing, so a checkpoint would only
+    # cost trace time (it cost 48 of the 120 checkpoints of the trace
+    # benchmark's 24 transformer layers). A tanh keeps its result: that
+    # island keeps its checkpoint (the negative control).
+    def linear(p, x):
+        return jnp.sum(((x @ p["w"][0]) + p["b"][0]) * 0.5)
+
+    def bounded(p, x):
+        return jnp.sum(jnp.tanh(((x @ p["w"][0]) + p["b"][0]) * 0.5))
+
+    p, x = _layer_args()
+    assert _island_checkpoints(lossscale.autocast(linear, F16), p, x) == []
+    assert len(_island_checkpoints(lossscale.autocast(bounded, F16), p, x)) == 1
+    want = jax.grad(linear)(p, x)
+    got = jax.grad(lossscale.autocast(linear, F16))(p, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-3)
+
+
+def test_each_layer_of_stacked_parameters_shares_one_island():
+    # Unrolled layers over stacked parameters (p["b"][i]): the slice of
+    # each layer's bias used to be recomputed inside that layer's island,
+    # making every layer's island a jaxpr of its own (its own trace and
+    # derivative: 23 of the 29 island transposes of the trace benchmark).
+    # Bound before the checkpoint, it leaves one island jaxpr for all.
+    def layers(p, x):
+        for i in range(p["w"].shape[0]):
+            x = jnp.tanh(x @ p["w"][i] + p["b"][i])
+        return jnp.sum(x)
+
+    p, x = _layer_args()
+    found = _island_checkpoints(lossscale.autocast(layers, F16), p, x)
+    assert len(found) == 4
+    # The last layer's island takes the loss's sum in too: one of its own.
+    assert len({id(eqn.params["jaxpr"]) for eqn in found[:-1]}) == 1
+    want = jax.grad(layers)(p, x)
+    got = jax.grad(lossscale.autocast(layers, F16))(p, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2)

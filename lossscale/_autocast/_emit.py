@@ -53,6 +53,7 @@ def emit(
             run,
             read,
             lambda eqn, node, invals: equation(call, eqn, node, invals),
+            plan.outside,
         )
 
     with cast_cache():

@@ -64,9 +64,11 @@ FLOAT32_SCOPE = "lossscale_float32"
 _SCOPE_RE = re.compile(r"(?:^|[/(])" + FLOAT32_SCOPE + r"(?:$|[/)])")
 # Constants larger than this are not computed at trace time.
 FOLD_SIZE = 4096
-_CONVERT = _compat.primitives_named(["convert_element_type"])[
-    "convert_element_type"
-]
+_NAMED = _compat.primitives_named(["convert_element_type", "mul", "div"])
+_CONVERT = _NAMED["convert_element_type"]
+# A product with a literal, or a quotient by one, keeps nothing for the
+# backward pass (its derivative is the same scaling of the tangent).
+_SCALINGS = {_NAMED["mul"]: (0, 1), _NAMED["div"]: (1,)}
 
 
 class Mode(enum.Enum):
@@ -117,6 +119,8 @@ class Plan(NamedTuple):
     # name), its sub-plans' included.
     used: frozenset[tuple[str, str]] = frozenset()
     functions: frozenset[str] = frozenset()
+    # The equations of islands bound before their checkpoint.
+    outside: frozenset[Any] = frozenset()
 
 
 # --- the table of higher-order primitives ----------------------------------
@@ -561,6 +565,8 @@ def _finish(
         nodes[e].mode is Mode.FLOAT32 and Cls.LOW in nodes[e].ins
         for e in jf.eqns
     ]
+    keeps = [_keeps(jf, e, nodes[e]) for e in jf.eqns]
+    islands, outside = _islands.find(jf.eqns, upcasts, members, keeps)
     used = set(planning.used)
     functions = set(jf.functions)
     for node in nodes.values():
@@ -575,11 +581,12 @@ def _finish(
         outs,
         reads32,
         demanded,
-        _islands.find(jf.eqns, upcasts, members),
+        islands,
         all(members),
         _exact(jf, nodes),
         frozenset(used),
         frozenset(functions),
+        outside,
     )
 
 
@@ -602,6 +609,20 @@ def _member(jf: JaxprFacts, eqn: Any, node: Node) -> bool:
         and ef.record is not None
         and ef.record.island
     )
+
+
+def _keeps(jf: JaxprFacts, eqn: Any, node: Node) -> bool:
+    """Whether an equation's derivative may keep a float value for the
+    backward pass (a float32 island without one needs no checkpoint)."""
+    if node.mode is Mode.HIGHER:
+        return True
+    if eqn.primitive is _CONVERT:
+        return False
+    literal = _SCALINGS.get(eqn.primitive)
+    if literal is not None:
+        return not any(_compat.is_literal(eqn.invars[i]) for i in literal)
+    record = jf.of[eqn].record
+    return record is None or not record.keeps_nothing
 
 
 def _exact(jf: JaxprFacts, nodes: Mapping[Any, Node]) -> bool:

@@ -37,12 +37,28 @@ def find(
     eqns: Sequence[Any],
     upcasts: Sequence[bool],
     members: Sequence[bool],
-) -> dict[int, int]:
-    """The islands of a jaxpr, from the index of the first equation to the
-    index after the last: runs of at least two ``members`` (equations
-    that may be recomputed) of which one ``upcasts`` (reads a 16-bit
-    activation in float32)."""
-    islands = {}
+    keeps: Sequence[bool],
+) -> tuple[dict[int, int], frozenset[Any]]:
+    """The islands of a jaxpr, and the equations bound before them.
+
+    An island is a run of at least two ``members`` (equations that may be
+    recomputed) of which one ``upcasts`` (reads a 16-bit activation in
+    float32) and one ``keeps`` a value for the backward pass. A run that
+    keeps nothing (a bias add, a scaling, a reshape) stores no float32
+    value, and a checkpoint around it would only cost trace time under
+    ``jax.grad``.
+
+    Equations of a run that read nothing the island computes, keep
+    nothing and do not grow their operand (a layer's slice of a stacked
+    parameter, ``w[i]``) are bound before the checkpoint, not in it: each
+    layer's island is then the same jaxpr, traced and differentiated once.
+
+    Returns:
+        The islands, from the index of the first equation to the index
+        after the last, and the equations of islands bound before them.
+    """
+    islands: dict[int, int] = {}
+    outside: set[Any] = set()
     i = 0
     while i < len(eqns):
         if not members[i]:
@@ -51,10 +67,47 @@ def find(
         j = i
         while j < len(eqns) and members[j]:
             j += 1
-        if j - i >= 2 and any(upcasts[i:j]):
+        hoisted = _hoisted(eqns, upcasts, keeps, i, j)
+        core = [k for k in range(i, j) if k not in hoisted]
+        if (
+            len(core) >= 2
+            and any(upcasts[k] for k in core)
+            and any(keeps[k] for k in core)
+        ):
             islands[i] = j
+            outside.update(eqns[k] for k in hoisted)
         i = j
-    return islands
+    return islands, frozenset(outside)
+
+
+def _hoisted(
+    eqns: Sequence[Any],
+    upcasts: Sequence[bool],
+    keeps: Sequence[bool],
+    start: int,
+    end: int,
+) -> set[int]:
+    """The equations of a run that may be bound before its checkpoint."""
+    core_vars: set[Any] = set()
+    hoisted = set()
+    for k in range(start, end):
+        eqn = eqns[k]
+        reads = [a for a in eqn.invars if _compat.is_var(a)]
+        if (
+            upcasts[k]
+            or keeps[k]
+            or any(a in core_vars for a in reads)
+            or _size(eqn.outvars) > _size(reads)
+        ):
+            core_vars.update(eqn.outvars)
+        else:
+            hoisted.add(k)
+    return hoisted
+
+
+def _size(atoms: Sequence[Any]) -> int:
+    """The largest element count of ``atoms``."""
+    return max((int(np.prod(a.aval.shape)) for a in atoms), default=0)
 
 
 Equation = Callable[[Any, Any, list[Any]], list[Any]]
@@ -66,9 +119,11 @@ def emit(
     run: Sequence[Any],
     read: Callable[[Any], Any],
     equation: Equation,
+    outside: frozenset[Any] = frozenset(),
 ) -> list[Any]:
-    """Binds the island ``run`` under a checkpoint; returns the values of
-    every output of its equations, in order.
+    """Binds the island ``run`` under a checkpoint (its ``outside``
+    equations before it); returns the values of every output of its
+    equations, in order.
 
     Args:
         cache: the islands traced in this evaluation, by structure.
@@ -76,7 +131,29 @@ def emit(
         run: the island's equations.
         read: the value of an atom outside the island.
         equation: ``equation(eqn, node, invals)`` binds one equation.
+        outside: the equations of islands bound before the checkpoint.
     """
+    before = [eqn for eqn in run if eqn in outside]
+    if before:
+        bound: dict[Any, Any] = {}
+
+        def read_outer(atom: Any) -> Any:
+            if _compat.is_var(atom) and atom in bound:
+                return bound[atom]
+            return read(atom)
+
+        for eqn in before:
+            invals = [read_outer(a) for a in eqn.invars]
+            bound.update(
+                zip(eqn.outvars, equation(eqn, nodes[eqn], invals), strict=True)
+            )
+        core = [eqn for eqn in run if eqn not in outside]
+        values = iter(emit(cache, nodes, core, read_outer, equation))
+        return [
+            bound[v] if eqn in outside else next(values)
+            for eqn in run
+            for v in eqn.outvars
+        ]
     defined = {v for eqn in run for v in eqn.outvars}
     inputs: list[Any] = []
     for eqn in run:

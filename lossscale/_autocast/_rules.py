@@ -45,7 +45,11 @@ pass keeps its operand), ``collective``, ``remat`` (its derivative is
 recomputed from its 16-bit operand, not stored in float32),
 ``foldable`` (autocast may compute it at trace time on small constants),
 ``island`` (it may be recomputed inside a float32 island:
-:mod:`._islands`) and ``float8`` (it may run in float8).
+:mod:`._islands`), ``keeps_nothing`` (its derivative reads none of its
+float operands: a linear map, a comparison, a rounding; a float32 island
+of such equations alone keeps nothing in float32 for the backward pass,
+so it is bound without a checkpoint) and ``float8`` (it may run in
+float8).
 
 Function rules (:data:`FUNCTION_RULES`, public as
 :data:`lossscale.AUTOCAST_FUNCTION_RULES`), from the name of a
@@ -110,11 +114,16 @@ class Record:
     remat: bool = False
     foldable: bool = True
     island: bool = True
+    keeps_nothing: bool = False
     float8: bool = False
 
 
 M, B, F, P = Kind.MATMUL, Kind.BOUNDED, Kind.FLOAT32, Kind.PROMOTE
 _MOVE = {"moves": True}
+# Exact data movement whose derivative is the same movement of the
+# tangent (it keeps nothing; max, abs and their kin keep a mask).
+_LINEAR_MOVE = {"moves": True, "keeps_nothing": True}
+_NOTHING = {"keeps_nothing": True}
 _COLLECTIVE = {"collective": True, "foldable": False}
 
 # One line a primitive: (name, kind, facts). Names as jax.make_jaxpr
@@ -161,70 +170,70 @@ _SPEC: tuple[tuple[str, Kind, dict[str, bool]], ...] = (
     ("bessel_i1e", F, {}),
     # Sums and products: PyTorch's sum, prod, cumsum, cumprod (and so the
     # means, variances and norms built on them), and sum pooling.
-    ("reduce_sum", F, {}),
+    ("reduce_sum", F, _NOTHING),
     ("reduce_prod", F, {}),
-    ("cumsum", F, {}),
+    ("cumsum", F, _NOTHING),
     ("cumprod", F, {}),
     ("cumlogsumexp", F, {}),
-    ("reduce_window_sum", F, {}),
+    ("reduce_window_sum", F, _NOTHING),
     # Elementwise arithmetic and comparisons.
-    ("add", P, {}),
-    ("add_any", P, {}),
-    ("sub", P, {}),
+    ("add", P, _NOTHING),
+    ("add_any", P, _NOTHING),
+    ("sub", P, _NOTHING),
     ("mul", P, {}),
     ("div", P, {}),
     ("rem", P, {}),
-    ("sign", P, {}),
-    ("floor", P, {}),
-    ("ceil", P, {}),
-    ("round", P, {}),
+    ("sign", P, _NOTHING),
+    ("floor", P, _NOTHING),
+    ("ceil", P, _NOTHING),
+    ("round", P, _NOTHING),
     ("sqrt", P, {}),
     ("cbrt", P, {}),
     ("atan2", P, {}),
     ("atan", P, {}),
     ("nextafter", P, {}),
-    ("is_finite", P, {}),
-    ("eq", P, {}),
-    ("ne", P, {}),
-    ("lt", P, {}),
-    ("le", P, {}),
-    ("gt", P, {}),
-    ("ge", P, {}),
-    ("real", P, {}),
-    ("imag", P, {}),
-    ("conj", P, {}),
+    ("is_finite", P, _NOTHING),
+    ("eq", P, _NOTHING),
+    ("ne", P, _NOTHING),
+    ("lt", P, _NOTHING),
+    ("le", P, _NOTHING),
+    ("gt", P, _NOTHING),
+    ("ge", P, _NOTHING),
+    ("real", P, _NOTHING),
+    ("imag", P, _NOTHING),
+    ("conj", P, _NOTHING),
     # checkpoint_name's label: what a checkpoint policy saves by name, so
     # never recomputed inside a float32 island.
     ("name", P, {"foldable": False, "island": False}),
-    ("argmax", P, {}),
-    ("argmin", P, {}),
+    ("argmax", P, _NOTHING),
+    ("argmin", P, _NOTHING),
     # Max and min pooling's derivatives.
     ("select_and_gather_add", P, {"foldable": False}),
     ("select_and_scatter_add", P, {"foldable": False}),
     # Data movement and selection: exact, and a constant that fits the
     # compute dtype still fits after it.
-    ("reshape", P, _MOVE),
-    ("broadcast_in_dim", P, _MOVE),
-    ("transpose", P, _MOVE),
-    ("squeeze", P, _MOVE),
-    ("slice", P, _MOVE),
-    ("dynamic_slice", P, _MOVE),
-    ("dynamic_update_slice", P, _MOVE),
-    ("gather", P, _MOVE),
-    ("concatenate", P, _MOVE),
-    ("pad", P, _MOVE),
-    ("rev", P, _MOVE),
-    ("split", P, _MOVE),
-    ("select_n", P, _MOVE),
+    ("reshape", P, _LINEAR_MOVE),
+    ("broadcast_in_dim", P, _LINEAR_MOVE),
+    ("transpose", P, _LINEAR_MOVE),
+    ("squeeze", P, _LINEAR_MOVE),
+    ("slice", P, _LINEAR_MOVE),
+    ("dynamic_slice", P, _LINEAR_MOVE),
+    ("dynamic_update_slice", P, _LINEAR_MOVE),
+    ("gather", P, _LINEAR_MOVE),
+    ("concatenate", P, _LINEAR_MOVE),
+    ("pad", P, _LINEAR_MOVE),
+    ("rev", P, _LINEAR_MOVE),
+    ("split", P, _LINEAR_MOVE),
+    ("select_n", P, _LINEAR_MOVE),
     ("reduce_max", P, _MOVE),
     ("reduce_min", P, _MOVE),
     ("max", P, _MOVE),
     ("min", P, _MOVE),
     ("clamp", P, _MOVE),
-    ("neg", P, _MOVE),
+    ("neg", P, _LINEAR_MOVE),
     ("abs", P, _MOVE),
-    ("copy", P, _MOVE),
-    ("stop_gradient", P, _MOVE),
+    ("copy", P, _LINEAR_MOVE),
+    ("stop_gradient", P, _LINEAR_MOVE),
     ("sharding_constraint", P, {**_MOVE, "foldable": False}),
     ("mesh_cast", P, {**_MOVE, "foldable": False}),
     ("reshard", P, {**_MOVE, "foldable": False}),
