@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import count_compiles
+from helpers import count_compiles, equations
 
 import lossscale
 from lossscale import _compat
@@ -224,8 +224,6 @@ def test_an_eager_call_donates_what_the_program_donates():
 def _island_checkpoints(fn, *args):
     """The checkpoints autocast put around float32 islands in ``fn``'s
     jaxpr (JAX's remat equations under the islands' name scope)."""
-    from helpers import equations
-
     from lossscale._autocast._islands import SCOPE
 
     return [
@@ -285,3 +283,43 @@ def test_each_layer_of_stacked_parameters_shares_one_island():
     got = jax.grad(lossscale.autocast(layers, F16))(p, x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2)
+
+
+def test_each_jnp_matmul_signature_is_emitted_once(monkeypatch):
+    # jnp.matmul is a jax.jit(inline=True) call, which jax.make_jaxpr
+    # inlines: autocast used to bind (and jax.grad to linearize, one
+    # primitive at a time) every layer's dot_general anew, where plain
+    # jax.grad linearizes matmul's jaxpr once for all the layers (Mamba-2's
+    # 112 einsum and matmul dots: 112 linearizations against plain JAX's
+    # 12). Kept as calls while autocast traces, they are emitted once per
+    # signature, and inlined again in the program JAX stages.
+    jax.clear_caches()  # matmul's jaxpr traced anew: nothing emitted yet
+    bound = []
+    real = _compat.bind_equation
+
+    def spy(eqn, invals, params=None):
+        bound.append(eqn.primitive.name)
+        return real(eqn, invals, params)
+
+    monkeypatch.setattr(_compat, "bind_equation", spy)
+
+    def layers(p, x):
+        for i in range(p["w"].shape[0]):
+            x = jnp.tanh(x @ p["w"][i])
+        return jnp.sum(x)
+
+    p, x = _layer_args(layers=8)
+    fun = lossscale.autocast(layers, F16)
+    grads = jax.grad(fun)(p, x)
+    # Two signatures: the first layer reads the float32 input, the seven
+    # others a float16 activation (before: one bind a layer, 8).
+    assert bound.count("dot_general") == 2
+    # The staged program is plain JAX's: no matmul call left in it.
+    names = [
+        eqn.params.get("name")
+        for eqn in equations(jax.make_jaxpr(jax.grad(fun))(p, x))
+        if _compat.is_jit(eqn)
+    ]
+    assert "matmul" not in names
+    want = jax.grad(layers)(p, x)
+    np.testing.assert_allclose(grads["w"], want["w"], rtol=2e-2, atol=2e-2)

@@ -182,6 +182,25 @@ def test_float8_jvp_works_or_says_float8():
     jax.jvp(lambda w: out(w, x), (w,), (w,))
 
 
+def test_float8_jvp_through_a_jitted_function_says_float8_too():
+    # A float8 matmul inside a jax.jit (the user's, or jnp.matmul's own)
+    # is refused where the jit is bound, not where the matmul is: that
+    # refusal used to reach the user as JAX's bare custom_vjp message.
+    @jax.jit
+    def layer(w, x):
+        return jnp.tanh(x @ w)
+
+    def loss(w, x):
+        return jnp.mean(layer(w, x) ** 2)
+
+    w, x = normal(0, (32, 16), 1 / 6), normal(1, (32, 32))
+    f8 = lossscale.autocast(loss, lossscale.Float8())
+    with pytest.raises(TypeError, match=r"rules=\{'dot_general': 'compute'\}"):
+        jax.jvp(lambda w: f8(w, x), (w,), (w,))
+    bf16 = lossscale.autocast(loss, jnp.bfloat16)
+    jax.jvp(lambda w: bf16(w, x), (w,), (w,))  # the control
+
+
 # --- the eager layer -------------------------------------------------------
 
 

@@ -132,18 +132,29 @@ def _float8(call: Call, eqn: Any, invals: list[Any]) -> list[Any]:
                 )
             ]
     except TypeError as err:
-        if "forward-mode" not in str(err):
+        error = float8_forward_mode(err)
+        if error is err:
             raise
-        raise TypeError(
-            "lossscale.autocast with a Float8 recipe: forward-mode "
-            "differentiation (jax.jvp, jax.jacfwd, jax.linearize) of a "
-            "float8 matmul is not supported, since its gradient is a "
-            "jax.custom_vjp (JAX's message is chained below). Keep the "
-            "matmuls 16-bit where you need it: "
-            "lossscale.autocast(fun, lossscale.Float8(...), "
-            "rules={'dot_general': 'compute'}), or use reverse mode "
-            "(jax.grad, jax.vjp, jax.jacrev)."
-        ) from err
+        raise error from err
+
+
+def float8_forward_mode(err: TypeError) -> TypeError:
+    """JAX's refusal to differentiate a float8 matmul in forward mode, as
+    autocast explains it (``err`` itself if it is another ``TypeError``);
+    raised ``from err``. A ``jax.jit`` holding one (``jnp.matmul``) is
+    refused where it is bound, so its emission raises this too."""
+    if "forward-mode" not in str(err):
+        return err
+    return TypeError(
+        "lossscale.autocast with a Float8 recipe: forward-mode "
+        "differentiation (jax.jvp, jax.jacfwd, jax.linearize) of a "
+        "float8 matmul is not supported, since its gradient is a "
+        "jax.custom_vjp (JAX's message is chained below). Keep the "
+        "matmuls 16-bit where you need it: "
+        "lossscale.autocast(fun, lossscale.Float8(...), "
+        "rules={'dot_general': 'compute'}), or use reverse mode "
+        "(jax.grad, jax.vjp, jax.jacrev)."
+    )
 
 
 def bind(eqn: Any, node: Node, invals: Sequence[Any], dtype: Any) -> list[Any]:

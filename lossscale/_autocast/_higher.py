@@ -192,7 +192,15 @@ def _call_emit(call: Call, eqn: Any, node: Node, invals: list[Any]) -> list:
         ("call", id(plan), _avals(args)),
         lambda: _trace(body, args),
     )
-    return _compat.rebind(eqn, args, jaxpr=new)
+    try:
+        return _compat.rebind(eqn, args, jaxpr=new)
+    except TypeError as err:
+        if call.config.float8 is None:
+            raise
+        error = _emit.float8_forward_mode(err)
+        if error is err:
+            raise
+        raise error from err
 
 
 # --- loops ---------------------------------------------------------------
