@@ -38,7 +38,6 @@ What is used, and what happens if it moves:
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, cast
 
@@ -321,83 +320,6 @@ def source_context(eqn: Any) -> Iterator[None]:
         return
     with source_info_util.user_context(info.traceback):
         yield
-
-
-# --- jnp's inlined matmul calls kept as calls while autocast traces ----------
-
-_KEEP_CALLS = threading.local()
-_KEEP_CALLS_INSTALLED: list[bool] = []
-_KEEP_CALLS_LOCK = threading.Lock()
-_MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
-
-
-def _kept_as_call(params: dict[str, Any]) -> bool:
-    """Whether this ``jit`` equation is one JAX's staging rule would
-    inline into the jaxpr being traced (``inline=True``;
-    ``Inline.JAX_EARLY`` since jax 0.12; shardings and layouts
-    unspecified) and whose jaxpr binds a matmul (``jnp.matmul``,
-    ``jnp.einsum``)."""
-    inline = params.get("inline")
-    if not (inline is True or getattr(inline, "value", None) == "jax_early"):
-        return False
-    if params.get("compiler_options_kvs"):
-        return False
-    specified = [
-        *params.get("in_shardings", ()),
-        *params.get("out_shardings", ()),
-    ]
-    if any(type(x).__name__ != "UnspecifiedValue" for x in specified):
-        return False
-    layouts = [*params.get("in_layouts", ()), *params.get("out_layouts", ())]
-    if any(x is not None for x in layouts):
-        return False
-    closed = params["jaxpr"]
-    if any(type(c).__name__ in ("Ref", "MutableArray") for c in closed.consts):
-        return False  # the staging rule's own path
-    return any(e.primitive.name in _MATMULS for e in closed.jaxpr.eqns)
-
-
-def _install_keep_calls() -> None:
-    """Wraps JAX's staging rule of ``jit`` once: while
-    :func:`matmul_calls_kept` is on in this thread, a matmul call JAX
-    would inline is staged as the call it is; otherwise (and in every
-    other thread) the rule runs unchanged."""
-    from jax._src import pjit as pjit_internal
-    from jax._src.interpreters import partial_eval as pe
-
-    with _KEEP_CALLS_LOCK:
-        if _KEEP_CALLS_INSTALLED:
-            return
-        jit_p = pjit_internal.jit_p
-        rule = pe.custom_staging_rules[jit_p]
-
-        def staging(trace: Any, source_info: Any, *args: Any, **params: Any):
-            if getattr(_KEEP_CALLS, "on", False) and _kept_as_call(params):
-                return trace.default_process_primitive(
-                    jit_p, args, params, source_info=source_info
-                )
-            return rule(trace, source_info, *args, **params)
-
-        pe.custom_staging_rules[jit_p] = staging
-        _KEEP_CALLS_INSTALLED.append(True)
-
-
-@contextlib.contextmanager
-def matmul_calls_kept() -> Iterator[None]:
-    """While autocast traces a function to plan it: ``jnp.matmul`` and
-    ``jnp.einsum`` (``jax.jit(..., inline=True)`` calls of a matmul) stay
-    calls in the jaxpr, as ``jax.grad`` sees them, instead of being
-    inlined. Each is then planned, emitted and linearized once per
-    signature (``jax.grad`` linearizes a call's jaxpr once, and each
-    equation of an inlined one anew), and inlined again where the planned
-    program is staged, as JAX does."""
-    _install_keep_calls()
-    previous = getattr(_KEEP_CALLS, "on", False)
-    _KEEP_CALLS.on = True
-    try:
-        yield
-    finally:
-        _KEEP_CALLS.on = previous
 
 
 def name_stack(eqn: Any) -> str:

@@ -141,7 +141,7 @@ def _float8(call: Call, eqn: Any, invals: list[Any]) -> list[Any]:
 def float8_forward_mode(err: TypeError) -> TypeError:
     """JAX's refusal to differentiate a float8 matmul in forward mode, as
     autocast explains it (``err`` itself if it is another ``TypeError``);
-    raised ``from err``. A ``jax.jit`` holding one (``jnp.matmul``) is
+    raised ``from err``. A ``jax.jit`` of the user's holding one is
     refused where it is bound, so its emission raises this too."""
     if "forward-mode" not in str(err):
         return err

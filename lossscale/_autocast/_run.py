@@ -109,10 +109,9 @@ def trace(
 
     arrays = [leaves[i] for i in dynamic]
     try:
-        with _compat.matmul_calls_kept():
-            closed, (out_shape, _) = jax.make_jaxpr(flat, return_shape=True)(
-                *arrays
-            )
+        closed, (out_shape, _) = jax.make_jaxpr(flat, return_shape=True)(
+            *arrays
+        )
     except Exception as err:
         if _interop.is_trace_context_error(err):
             raise _closed_over_state(fun) from err
