@@ -183,9 +183,9 @@ def test_float8_jvp_works_or_says_float8():
 
 
 def test_float8_jvp_through_a_jitted_function_says_float8_too():
-    # A float8 matmul inside a jax.jit of the user's
-    # is refused where the jit is bound, not where the matmul is: that
-    # refusal used to reach the user as JAX's bare custom_vjp message.
+    # A float8 matmul inside a jax.jit of the user's is refused where the
+    # jit is bound, not where the matmul is: that refusal used to reach the
+    # user as JAX's bare custom_vjp message.
     @jax.jit
     def layer(w, x):
         return jnp.tanh(x @ w)

@@ -10,8 +10,9 @@ registers into; float32 islands are bound by :mod:`._islands`.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -120,41 +121,40 @@ def _float8(call: Call, eqn: Any, invals: list[Any]) -> list[Any]:
     """A matmul in float8: its operands are quantised from the dtypes they
     are stored in (a float32 weight directly, not through 16 bits)."""
     lhs, rhs = invals
+    with float8_forward_mode(), _compat.equation_context(eqn):
+        return [
+            _fp8.dot_general(
+                lhs,
+                rhs,
+                eqn.params["dimension_numbers"],
+                call.config.float8,
+                out_sharding=eqn.params.get("out_sharding"),
+            )
+        ]
+
+
+@contextlib.contextmanager
+def float8_forward_mode() -> Iterator[None]:
+    """JAX's refusal to differentiate a float8 matmul in forward mode,
+    raised inside, as autocast explains it (JAX's ``TypeError`` chained
+    below; any other error unchanged). A ``jax.jit`` of the user's
+    holding one is refused where it is bound, so its emission is wrapped
+    too."""
     try:
-        with _compat.equation_context(eqn):
-            return [
-                _fp8.dot_general(
-                    lhs,
-                    rhs,
-                    eqn.params["dimension_numbers"],
-                    call.config.float8,
-                    out_sharding=eqn.params.get("out_sharding"),
-                )
-            ]
+        yield
     except TypeError as err:
-        error = float8_forward_mode(err)
-        if error is err:
+        if "forward-mode" not in str(err):
             raise
-        raise error from err
-
-
-def float8_forward_mode(err: TypeError) -> TypeError:
-    """JAX's refusal to differentiate a float8 matmul in forward mode, as
-    autocast explains it (``err`` itself if it is another ``TypeError``);
-    raised ``from err``. A ``jax.jit`` of the user's holding one is
-    refused where it is bound, so its emission raises this too."""
-    if "forward-mode" not in str(err):
-        return err
-    return TypeError(
-        "lossscale.autocast with a Float8 recipe: forward-mode "
-        "differentiation (jax.jvp, jax.jacfwd, jax.linearize) of a "
-        "float8 matmul is not supported, since its gradient is a "
-        "jax.custom_vjp (JAX's message is chained below). Keep the "
-        "matmuls 16-bit where you need it: "
-        "lossscale.autocast(fun, lossscale.Float8(...), "
-        "rules={'dot_general': 'compute'}), or use reverse mode "
-        "(jax.grad, jax.vjp, jax.jacrev)."
-    )
+        raise TypeError(
+            "lossscale.autocast with a Float8 recipe: forward-mode "
+            "differentiation (jax.jvp, jax.jacfwd, jax.linearize) of a "
+            "float8 matmul is not supported, since its gradient is a "
+            "jax.custom_vjp (JAX's message is chained below). Keep the "
+            "matmuls 16-bit where you need it: "
+            "lossscale.autocast(fun, lossscale.Float8(...), "
+            "rules={'dot_general': 'compute'}), or use reverse mode "
+            "(jax.grad, jax.vjp, jax.jacrev)."
+        ) from err
 
 
 def bind(eqn: Any, node: Node, invals: Sequence[Any], dtype: Any) -> list[Any]:

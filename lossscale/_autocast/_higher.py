@@ -192,15 +192,10 @@ def _call_emit(call: Call, eqn: Any, node: Node, invals: list[Any]) -> list:
         ("call", id(plan), _avals(args)),
         lambda: _trace(body, args),
     )
-    try:
+    if call.config.float8 is None:
         return _compat.rebind(eqn, args, jaxpr=new)
-    except TypeError as err:
-        if call.config.float8 is None:
-            raise
-        error = _emit.float8_forward_mode(err)
-        if error is err:
-            raise
-        raise error from err
+    with _emit.float8_forward_mode():
+        return _compat.rebind(eqn, args, jaxpr=new)
 
 
 # --- loops ---------------------------------------------------------------
