@@ -30,6 +30,14 @@ What is used, and what happens if it moves:
   traced dtypes, with a ``RuntimeWarning`` (``lossscale/_autocast/
   _emit.py``), and ``tests/test_autocast_primitives.py`` fails on a JAX
   that has one.
+- inline calls (:func:`bind_as_call`, :func:`convert`): autocast binds
+  its matmuls and casts as ``jax.jit`` calls inlined where they are
+  staged, as ``jnp.matmul`` is, so that ``jax.grad`` linearizes each
+  shape once (JAX's caches are keyed on the call's jaxpr). jax 0.12's
+  ``inline=True`` inlines at lowering: ``jax.Inline.JAX_EARLY`` is used
+  where it exists. If the calls stopped being inlined, the programs would
+  hold ``jit`` equations named after the primitive, and
+  ``tests/test_autocast_cost.py`` fails.
 - the ``PmapSharding`` class (:func:`pmap_laid_out`), which only jax 0.7's
   ``pmap`` outputs carry. If it is missing, such outputs are checked
   eagerly by one program, which first moves them: correct, but a copy.
@@ -38,18 +46,23 @@ What is used, and what happens if it moves:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, cast
 
 import jax
 import jax.core
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 from jax.extend import core as jex_core
 from jax.extend import linear_util as jex_lu
 from jax.extend import source_info_util
 
 __all__ = [
+    "bind_as_call",
     "bind_equation",
+    "convert",
     "enable_x64",
     "explicit_mesh",
     "is_literal",
@@ -292,6 +305,74 @@ def bind_equation(
     with equation_context(eqn):
         out = eqn.primitive.bind(*invals, **cast(dict[str, Any], params))
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def bind_as_call(
+    eqn: Any, invals: Sequence[Any], params: dict[str, Any] | None = None
+) -> list[Any]:
+    """Evaluates one equation as :func:`bind_equation` does, through a
+    ``jax.jit(..., inline=True)`` of its primitive alone, one per params
+    (``jax.Inline.JAX_EARLY`` on jax 0.12, where ``True`` inlines late).
+
+    This is how ``jnp.matmul`` and ``jnp.einsum`` bind their
+    ``dot_general`` (they are inline jits), and why it is cheap to
+    differentiate: under ``jax.grad`` JAX linearizes a call's jaxpr once
+    and keeps it (its caches are keyed weakly on the jaxpr), where a bare
+    primitive is linearized anew at every binding. A staging trace inlines
+    the call, so the program is the same equations, with the same source
+    lines and name stacks. Params that cannot be hashed, a primitive with
+    several results or with sub-functions are bound directly.
+    """
+    primitive = eqn.primitive
+    bind_params = primitive.get_bind_params(
+        eqn.params if params is None else params
+    )
+    if isinstance(bind_params, tuple):  # jax < 0.8: (subfuns, params)
+        subfuns, bind_params = bind_params
+        if subfuns:
+            return bind_equation(eqn, invals, params)
+    if primitive.multiple_results:
+        return bind_equation(eqn, invals, params)
+    try:
+        fun = _inline_call(primitive, tuple(bind_params.items()))
+    except TypeError:  # an unhashable param
+        return bind_equation(eqn, invals, params)
+    with equation_context(eqn):
+        return [fun(*invals)]
+
+
+@functools.lru_cache(maxsize=1024)
+def _inline_call(primitive: Any, params: tuple[tuple[str, Any], ...]) -> Any:
+    kwargs = dict(params)
+
+    def call(*args: Any) -> Any:
+        return primitive.bind(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = primitive.name
+    return jax.jit(call, inline=_INLINE)
+
+
+def convert(x: Any, dtype: Any) -> Any:
+    """``lax.convert_element_type(x, dtype)``, as an inline call per dtype
+    where ``x`` is traced (linearized once per shape under ``jax.grad``,
+    as :func:`bind_as_call` says)."""
+    if not is_tracer(x):
+        return lax.convert_element_type(x, dtype)
+    return _converter(np.dtype(dtype))(x)
+
+
+@functools.lru_cache(maxsize=64)
+def _converter(dtype: np.dtype) -> Any:
+    return jax.jit(
+        functools.partial(lax.convert_element_type, new_dtype=dtype),
+        inline=_INLINE,
+    )
+
+
+# Inlined where the call is staged, as jnp's own inline jits are: jax 0.12
+# made ``inline=True`` mean "at lowering" (``jax.Inline.JAX_LATE``), which
+# would keep the calls in the jaxpr, and gave jnp ``JAX_EARLY``.
+_INLINE: Any = getattr(getattr(jax, "Inline", None), "JAX_EARLY", True)
 
 
 @contextlib.contextmanager

@@ -283,3 +283,67 @@ def test_each_layer_of_stacked_parameters_shares_one_island():
     got = jax.grad(lossscale.autocast(layers, F16))(p, x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2)
+
+
+def _jvp_rule_calls(monkeypatch, primitive):
+    """How many times JAX runs ``primitive``'s JVP rule."""
+    from jax.interpreters import ad
+
+    calls = []
+    real = ad.primitive_jvps[primitive]
+
+    def spy(*args, **kwargs):
+        calls.append(primitive)
+        return real(*args, **kwargs)
+
+    monkeypatch.setitem(ad.primitive_jvps, primitive, spy)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "primitive", [jax.lax.dot_general_p, jax.lax.convert_element_type_p]
+)
+def test_a_deep_model_linearizes_its_matmuls_and_casts_once_per_shape(
+    monkeypatch, primitive
+):
+    # jnp.matmul is an inline jax.jit: under jax.grad JAX linearizes its
+    # jaxpr once and keeps it. Autocast traced it inlined, and bound each
+    # layer's dot_general (and the casts of its operands) bare, which JAX
+    # linearized at every layer: twice plain JAX's linearizations on the
+    # Mamba-2 blocks of benchmarks/autocast_trace.py. They are bound as
+    # inline calls of their own now: linearized once per shape, however
+    # deep the model, and the program is the same equations.
+    def layers(p, x):
+        for i in range(p["w"].shape[0]):
+            x = jnp.tanh(x @ p["w"][i] + p["b"][i])
+        return jnp.sum(x)
+
+    calls = _jvp_rule_calls(monkeypatch, primitive)
+
+    def linearized(fn, depth):
+        calls.clear()
+        jax.clear_caches()
+        jax.jit(jax.grad(fn)).lower(*_layer_args(layers=depth))
+        return len(calls)
+
+    auto = lossscale.autocast(layers, F16)
+    counts = {depth: linearized(auto, depth) for depth in (4, 8)}
+    assert counts[4] == counts[8], counts
+    if primitive is jax.lax.dot_general_p:
+        # Two: the first layer's input has no tangent, the others' have.
+        assert counts[4] == linearized(layers, 8) == 2
+    else:
+        assert linearized(layers, 8) == 0, (
+            "the premise: plain JAX casts nothing"
+        )
+        assert counts[4] > 0
+    # Inlined where staged: no call of autocast's own is left, and plain
+    # JAX's trace is the same after autocast's (JAX's caches hold nothing
+    # of autocast's).
+    p, x = _layer_args()
+    jax.clear_caches()
+    plain_jaxpr = str(jax.make_jaxpr(jax.grad(layers))(p, x))
+    jaxpr = jax.make_jaxpr(jax.grad(auto))(p, x)
+    names = {e.params.get("name") for e in equations(jaxpr)}
+    assert not names & {"dot_general", "convert_element_type"}
+    assert str(jax.make_jaxpr(jax.grad(layers))(p, x)) == plain_jaxpr

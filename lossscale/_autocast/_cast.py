@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax import lax
 
+from lossscale import _compat
 from lossscale._autocast._classes import Cls, class_dtype, is_float
 
 
@@ -43,12 +44,12 @@ def cast(x: Any, dtype: Any) -> Any:
         return np.asarray(x).astype(dtype)
     cache = _CASTS.get()
     if cache is None:
-        return lax.convert_element_type(x, dtype)
+        return _compat.convert(x, dtype)
     key = (id(x), dtype)
     hit = cache.get(key)
     if hit is None or hit[0] is not x:
         # The value is kept with its cast, so that its id is not reused.
-        hit = (x, lax.convert_element_type(x, dtype))
+        hit = (x, _compat.convert(x, dtype))
         cache[key] = hit
     return hit[1]
 

@@ -23,6 +23,7 @@ from lossscale._autocast._cast import cast, cast_cache, store
 from lossscale._autocast._classes import F32_DTYPE, Cls, class_dtype, is_float
 from lossscale._autocast._config import Call
 from lossscale._autocast._infer import Mode, Node, Plan
+from lossscale._autocast._rules import TABLE
 
 EmitHigher = Callable[[Call, Any, Node, list[Any]], list[Any]]
 
@@ -167,7 +168,9 @@ def bind(eqn: Any, node: Node, invals: Sequence[Any], dtype: Any) -> list[Any]:
             xs.append(x)
         else:
             xs.append(cast(x, traced if dtype is None else dtype))
-    return _compat.bind_equation(eqn, xs, _params(eqn, node, dtype))
+    record = TABLE.get(eqn.primitive)
+    bound = _compat.bind_as_call if record and record.called else None
+    return (bound or _compat.bind_equation)(eqn, xs, _params(eqn, node, dtype))
 
 
 def _params(eqn: Any, node: Node, dtype: Any) -> dict[str, Any] | None:

@@ -48,8 +48,12 @@ recomputed from its 16-bit operand, not stored in float32),
 :mod:`._islands`), ``keeps_nothing`` (its derivative reads none of its
 float operands: a linear map, a comparison, a rounding; a float32 island
 of such equations alone keeps nothing in float32 for the backward pass,
-so it is bound without a checkpoint) and ``float8`` (it may run in
-float8).
+so it is bound without a checkpoint), ``float8`` (it may run in
+float8) and ``called`` (it is bound as a ``jax.jit(inline=True)`` call
+of its own, as ``jnp.matmul`` binds it: under ``jax.grad``, JAX
+linearizes a call's jaxpr once, where it linearizes a bare primitive at
+every binding; the call is inlined where it is staged, so the program is
+the same: :func:`lossscale._compat.bind_as_call`).
 
 Function rules (:data:`FUNCTION_RULES`, public as
 :data:`lossscale.AUTOCAST_FUNCTION_RULES`), from the name of a
@@ -116,6 +120,7 @@ class Record:
     island: bool = True
     keeps_nothing: bool = False
     float8: bool = False
+    called: bool = False
 
 
 M, B, F, P = Kind.MATMUL, Kind.BOUNDED, Kind.FLOAT32, Kind.PROMOTE
@@ -131,7 +136,7 @@ _COLLECTIVE = {"collective": True, "foldable": False}
 # skipped where absent (tests/test_autocast_primitives.py lists them).
 _SPEC: tuple[tuple[str, Kind, dict[str, bool]], ...] = (
     # Matmuls and convolutions.
-    ("dot_general", M, {"foldable": False, "float8": True}),
+    ("dot_general", M, {"foldable": False, "float8": True, "called": True}),
     ("conv_general_dilated", M, {"foldable": False}),
     ("ragged_dot_general", M, {"foldable": False}),
     # Bounded results: rounding them cannot overflow, and it halves what
