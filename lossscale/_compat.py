@@ -5,7 +5,7 @@ equations and abstract values: when a JAX release moves them, this is the
 one place to look. The supported range is the one ``pyproject.toml`` admits
 (jax 0.7.0 to the newest): CI runs the tests on both ends of it (the
 newest on the newest Python it finds: jax 0.11 and later need 3.12), and
-the quick ones on jax 0.8, 0.9 and 0.11.
+the quick ones on jax 0.9.
 
 What is used, and what happens if it moves:
 
