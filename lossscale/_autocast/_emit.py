@@ -169,8 +169,9 @@ def bind(eqn: Any, node: Node, invals: Sequence[Any], dtype: Any) -> list[Any]:
         else:
             xs.append(cast(x, traced if dtype is None else dtype))
     record = TABLE.get(eqn.primitive)
-    bound = _compat.bind_as_call if record and record.called else None
-    return (bound or _compat.bind_equation)(eqn, xs, _params(eqn, node, dtype))
+    if record is not None and record.called:
+        return _compat.bind_as_call(eqn, xs, _params(eqn, node, dtype))
+    return _compat.bind_equation(eqn, xs, _params(eqn, node, dtype))
 
 
 def _params(eqn: Any, node: Node, dtype: Any) -> dict[str, Any] | None:
