@@ -295,16 +295,24 @@ def bind_equation(
     equation's source information and name stack are kept, so that
     profiles and HLO metadata name the user's code, not lossscale's.
     """
-    params = eqn.primitive.get_bind_params(
+    subfuns, bind_params = _bind_params(eqn, params)
+    with equation_context(eqn):
+        out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _bind_params(
+    eqn: Any, params: dict[str, Any] | None
+) -> tuple[list[Any], dict[str, Any]]:
+    """The sub-functions and params ``eqn``'s primitive is bound with
+    (``params``, if given, replacing the equation's)."""
+    bind_params = eqn.primitive.get_bind_params(
         eqn.params if params is None else params
     )
-    invals = list(invals)
-    if isinstance(params, tuple):  # jax < 0.8 returned (subfuns, params)
-        subfuns, params = params
-        invals = [*subfuns, *invals]
-    with equation_context(eqn):
-        out = eqn.primitive.bind(*invals, **cast(dict[str, Any], params))
-    return list(out) if eqn.primitive.multiple_results else [out]
+    if isinstance(bind_params, tuple):  # jax < 0.8 returned (subfuns, params)
+        subfuns, bind_params = bind_params
+        return list(subfuns), cast(dict[str, Any], bind_params)
+    return [], cast(dict[str, Any], bind_params)
 
 
 def bind_as_call(
@@ -324,14 +332,8 @@ def bind_as_call(
     several results or with sub-functions are bound directly.
     """
     primitive = eqn.primitive
-    bind_params = primitive.get_bind_params(
-        eqn.params if params is None else params
-    )
-    if isinstance(bind_params, tuple):  # jax < 0.8: (subfuns, params)
-        subfuns, bind_params = bind_params
-        if subfuns:
-            return bind_equation(eqn, invals, params)
-    if primitive.multiple_results:
+    subfuns, bind_params = _bind_params(eqn, params)
+    if subfuns or primitive.multiple_results:
         return bind_equation(eqn, invals, params)
     try:
         fun = _inline_call(primitive, tuple(bind_params.items()))
