@@ -6,9 +6,11 @@ are counted with chex and with JAX's own monitoring events."""
 
 from __future__ import annotations
 
+import contextlib
 import math
-import sys
 import threading
+import time
+import warnings
 
 import chex
 import jax
@@ -132,23 +134,25 @@ def test_autocast_wrappers_compare_by_function_and_configuration(blocks):
     assert c == d and hash(c) == hash(d) and c is not d
 
 
-def test_eager_calls_from_threads_share_one_compilation():
-    # The eager layer's bookkeeping was not thread-safe: a cached
-    # compilation was taken out and put back on every call, and a thread
-    # calling in between would miss it and compile again. A stress test
-    # (threads switched every microsecond): the window was too narrow for
-    # it to fail before the lock, but it guards what the lock promises.
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
+def _eager_calls_from_threads(locked):
+    """Eight threads calling one autocast function eagerly, 100 times each
+    with two values of a static argument: the values each trace saw, and
+    the results."""
     traces = []
     lock = threading.Lock()
 
     def loss(w, x, t):
         with lock:
             traces.append(t)
+        # Tracing takes a while (a real model's does): the window between
+        # a thread's cache miss and its compiled program's store, where
+        # another thread would miss too and compile again.
+        time.sleep(0.02)
         return jnp.sum(jnp.tanh(x @ w) / t)
 
     f = lossscale.autocast(loss, jnp.float16)
+    if not locked:  # the negative control: the eager layer without its lock
+        f._lock = contextlib.nullcontext()
     w, x = jnp.full((8, 8), 0.1), jnp.ones((4, 8))
     results, errors = {}, []
 
@@ -160,18 +164,31 @@ def test_eager_calls_from_threads_share_one_compilation():
         except Exception as err:  # pragma: no cover - the failure shown
             errors.append(err)
 
-    try:
-        threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(interval)
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
     assert not errors
-    assert sorted(traces) == [1.0, 2.0]
+    return sorted(traces), results
+
+
+def test_eager_calls_from_threads_share_one_compilation():
+    # The eager layer's bookkeeping was not thread-safe: a cached
+    # compilation was taken out and put back on every call, and a thread
+    # calling in between missed it and compiled again. Its lock holds a
+    # key's entry from the miss to the store, so each value of the static
+    # argument is traced once, whichever thread comes first.
+    traces, results = _eager_calls_from_threads(locked=True)
+    assert traces == [1.0, 2.0]
     for (_, t), value in results.items():
         np.testing.assert_array_equal(value, results[(0, t)])
+    # Without the lock, threads that miss together each trace (and the
+    # eager layer warns of the recompilations).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        traces, _ = _eager_calls_from_threads(locked=False)
+    assert len(traces) > 2 and set(traces) == {1.0, 2.0}, traces
 
 
 def test_many_static_values_warn_once_that_each_compiles():
