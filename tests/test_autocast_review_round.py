@@ -180,6 +180,11 @@ def test_float8_jvp_works_or_says_float8():
         loss, lossscale.Float8(), rules={"dot_general": "compute"}
     )
     jax.jvp(lambda w: out(w, x), (w,), (w,))
+    # jax.linearize returns; its linear function raises JAX's own error
+    # (as the float8 page says: it is evaluated outside autocast).
+    _, linear = jax.linearize(lambda w: f8(w, x), w)
+    with pytest.raises(TypeError, match="forward-mode autodiff"):
+        linear(w)
 
 
 def test_float8_jvp_through_a_jitted_function_says_float8_too():
@@ -199,6 +204,49 @@ def test_float8_jvp_through_a_jitted_function_says_float8_too():
         jax.jvp(lambda w: f8(w, x), (w,), (w,))
     bf16 = lossscale.autocast(loss, jnp.bfloat16)
     jax.jvp(lambda w: bf16(w, x), (w,), (w,))  # the control
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_second_derivatives_are_refused_not_wrong(recipe):
+    # A second derivative differentiates the float8 matmul's derivative
+    # rules, whose tangents went through the casts to float8 unscaled:
+    # jax.hessian gave thousands of NaNs and jax.jacrev(jax.jacrev) a
+    # Hessian 150 times too small, silently (measured).
+    def loss(w, b, x):
+        return jnp.mean(jnp.tanh(x @ w.reshape(16, 16) + b) ** 2)
+
+    w, b, x = normal(0, (256,), 0.3), normal(1, (16,), 0.1), normal(2, (16, 16))
+    f8 = lossscale.autocast(loss, lossscale.Float8(recipe))
+    second = {
+        "hessian": jax.hessian(f8),
+        "jacrev of jacrev": jax.jacrev(jax.jacrev(f8)),
+        "grad of a gradient norm": jax.grad(
+            lambda w, b, x: jnp.sum(jax.grad(f8)(w, b, x) ** 2)
+        ),
+        "jvp of grad": lambda w, b, x: jax.jvp(
+            lambda w: jax.grad(f8)(w, b, x), (w,), (w,)
+        ),
+    }
+    for name, fun in second.items():
+        with pytest.raises(TypeError, match=r"differentiated once") as err:
+            fun(w, b, x)
+        assert "rules={'dot_general': 'compute'}" in str(err.value), name
+    # The first derivative is the float8 one still.
+    grad = jax.grad(f8)(w, b, x)
+    exact = jax.grad(loss)(w, b, x)
+    assert 0 < relative_error(grad, exact) < 0.1
+    # A second derivative that does not reach the matmul's operands (b is
+    # added after it) is allowed, and close to float32's.
+    hessian_b = jax.hessian(f8, 1)(w, b, x)
+    assert relative_error(hessian_b, jax.hessian(loss, 1)(w, b, x)) < 0.1
+    # The control: bfloat16 autocast's Hessian, and the way out named.
+    exact = jax.hessian(loss)(w, b, x)
+    bf16 = jax.hessian(lossscale.autocast(loss, jnp.bfloat16))(w, b, x)
+    assert relative_error(bf16, exact) < 0.02
+    out = lossscale.autocast(
+        loss, lossscale.Float8(recipe), rules={"dot_general": "compute"}
+    )
+    assert relative_error(jax.hessian(out)(w, b, x), exact) < 0.02
 
 
 # --- the eager layer -------------------------------------------------------

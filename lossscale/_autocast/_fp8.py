@@ -267,8 +267,9 @@ def dot_general(
     Quantises both operands to ``float8_e4m3fn`` with current scaling
     (:class:`Float8` says how), runs one float8 ``dot_general`` with float32
     accumulation, and returns its result times the inverse scales, in
-    ``config.compute_dtype``. Differentiable (a ``jax.custom_vjp``): the
-    backward matmuls are float8 too, ``e5m2`` gradient by ``e4m3`` operand,
+    ``config.compute_dtype``. Differentiable once, in reverse mode (a
+    ``jax.custom_vjp``; a second derivative raises :data:`SECOND_ORDER`):
+    the backward matmuls are float8 too, ``e5m2`` gradient by ``e4m3`` operand,
     with the dimension numbers and output shardings of JAX's own transpose
     rules for ``dot_general``.
 
@@ -440,6 +441,36 @@ def _forward(
     return out, (q_lhs, s_lhs, q_rhs, s_rhs)
 
 
+SECOND_ORDER = (
+    "lossscale.autocast with a Float8 recipe: a float8 matmul is "
+    "differentiated once, in reverse mode (jax.grad, jax.vjp, jax.jacrev). "
+    "A derivative of its gradient (jax.hessian, jax.grad or jax.jacrev of a "
+    "gradient, jax.jvp of one) would differentiate its quantisation to "
+    "float8, where the tangents underflow to zero or overflow: not "
+    "supported. Keep the matmuls 16-bit where you need it: "
+    "lossscale.autocast(fun, lossscale.Float8(...), "
+    "rules={'dot_general': 'compute'}), or a 16-bit compute_dtype."
+)
+
+
+@jax.custom_jvp
+def _differentiated_once(xs: Any) -> Any:
+    """``xs`` itself; differentiating it raises :data:`SECOND_ORDER`.
+
+    Around what the float8 matmul's derivative rules read (the operands
+    in the forward rule, the cotangent in the backward): a first
+    derivative never differentiates those rules, a second one would, and
+    its tangents would go through the casts to float8 unscaled (a
+    Hessian of NaNs and zeros, measured)."""
+    return xs
+
+
+@_differentiated_once.defjvp
+def _differentiated_once_jvp(primals: Any, tangents: Any) -> Any:
+    del primals, tangents
+    raise TypeError(SECOND_ORDER)
+
+
 # The static arguments: the dimension numbers, the config, the forward's
 # out_sharding, and the operands' dtypes (the float8 residuals lose them).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
@@ -456,6 +487,7 @@ def _fp8_dot_fwd(
     out_sharding: Any, dtypes: tuple[np.dtype, np.dtype],
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:  # fmt: skip
     del dtypes
+    lhs, rhs = _differentiated_once((lhs, rhs))
     return _forward(lhs, rhs, dims, config, out_sharding)
 
 
@@ -506,6 +538,7 @@ def _fp8_dot_bwd(
     dtypes: tuple[np.dtype, np.dtype], saved: Any, g: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     del out_sharding  # the cotangents take their operands' shardings
+    g = _differentiated_once(g)
     lhs_dtype, rhs_dtype = dtypes
     pow2 = bool(config.power_of_two_scales)
     (lc, rc), (lb, rb) = dims
