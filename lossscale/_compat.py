@@ -38,6 +38,11 @@ What is used, and what happens if it moves:
   where it exists. If the calls stopped being inlined, the programs would
   hold ``jit`` equations named after the primitive, and
   ``tests/test_autocast_cost.py`` fails.
+- the class of the error a comparison of symbolic dimensions raises
+  (:data:`InconclusiveDimensionOperation`, public in ``jax.errors`` from
+  jax 0.8): autocast compares sizes to choose what a float32 island saves
+  and which matmuls go float8; under ``jax.export``'s shape polymorphism
+  an undecidable comparison takes the choice that holds for every size.
 - the ``PmapSharding`` class (:func:`pmap_laid_out`), which only jax 0.7's
   ``pmap`` outputs carry. If it is missing, such outputs are checked
   eagerly by one program, which first moves them: correct, but a copy.
@@ -59,7 +64,21 @@ from jax.extend import core as jex_core
 from jax.extend import linear_util as jex_lu
 from jax.extend import source_info_util
 
+
+def _inconclusive() -> type[Exception]:
+    # Public in jax.errors from jax 0.8; jax 0.7 has it in its core only.
+    public = getattr(jax.errors, "InconclusiveDimensionOperation", None)
+    if public is not None:
+        return public
+    from jax._src import core
+
+    return core.InconclusiveDimensionOperation
+
+
+InconclusiveDimensionOperation = _inconclusive()
+
 __all__ = [
+    "InconclusiveDimensionOperation",
     "bind_as_call",
     "bind_equation",
     "convert",

@@ -346,6 +346,46 @@ def test_eager_calls_of_a_closure_over_weights_agree_from_the_first():
     assert abs(float(calls[0]) - float(model(x))) < 1e-2 * abs(float(model(x)))
 
 
+@pytest.mark.parametrize("compute", ["bfloat16", "float8"])
+def test_export_with_a_symbolic_batch_dimension(compute):
+    # jax.export's shape polymorphism: autocast multiplied and compared
+    # sizes as integers (islands' hoisting, float8's eligibility, constant
+    # folding), and crashed on 'b' (InconclusiveDimensionOperation).
+    from jax import export
+
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    cd = jnp.bfloat16 if compute == "bfloat16" else lossscale.Float8()
+    step = jax.jit(jax.value_and_grad(lossscale.autocast(loss, cd)))
+    (b,) = export.symbolic_shape("b")
+    w = normal(0, (32, 32), 0.2)
+    for shape, x in [((b, 16, 32), normal(1, (3, 16, 32))), ((b, 32), None)]:
+        specs = (
+            jax.ShapeDtypeStruct(w.shape, jnp.float32),
+            jax.ShapeDtypeStruct(shape, jnp.float32),
+        )
+        exported = export.export(step)(*specs)
+        float8 = "f8E4M3FN" in exported.mlir_module()
+        if x is not None:
+            # M = 16*b: a multiple of 16 whatever b is, so float8 if asked.
+            assert float8 == (compute == "float8")
+            expected = step(w, x)
+        else:
+            # M = b: not a multiple of 16 for every b, so 16-bit, as the
+            # float8 page says (48 rows compiled on their own go float8).
+            assert not float8
+            x = normal(1, (48, 32))
+            bf16 = lossscale.autocast(loss, jnp.bfloat16)
+            expected = jax.jit(jax.value_and_grad(bf16))(w, x)
+        for got, want in zip(
+            jax.tree.leaves(exported.call(w, x)),
+            jax.tree.leaves(expected),
+            strict=True,
+        ):
+            np.testing.assert_array_equal(got, want)
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def _sgd(p, g):
     return p - 0.1 * g

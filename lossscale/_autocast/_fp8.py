@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -217,20 +218,24 @@ class Float8:
             return "batch dimensions (attention)"
         m = _size(lhs, (*lc, *lb))
         n = _size(rhs, (*rc, *rb))
-        k = int(np.prod([lhs[d] for d in lc], dtype=np.int64))
-        if any(size % self.multiple for size in (m, n, k)):
+        k = math.prod(lhs[d] for d in lc)
+        if not all(_multiple(size, self.multiple) for size in (m, n, k)):
             return f"M={m}, N={n}, K={k} not all multiples of {self.multiple}"
         return None
 
 
-def _size(shape: Sequence[int], removed: Sequence[int]) -> int:
-    """The product of ``shape``'s sizes but those at ``removed``."""
+def _size(shape: Sequence[Any], removed: Sequence[int]) -> Any:
+    """The product of ``shape``'s sizes but those at ``removed`` (symbolic
+    under ``jax.export``'s shape polymorphism)."""
     gone = set(removed)
-    return int(
-        np.prod(
-            [n for d, n in enumerate(shape) if d not in gone], dtype=np.int64
-        )
-    )
+    return math.prod(n for d, n in enumerate(shape) if d not in gone)
+
+
+def _multiple(size: Any, multiple: int) -> bool:
+    """Whether ``size`` is a multiple of ``multiple``: for a symbolic size,
+    whatever its dimensions' values (``32*b`` of 16, not ``b``)."""
+    remainder = size % multiple
+    return isinstance(remainder, (int, np.integer)) and remainder == 0
 
 
 def _check_compute_dtype(dtype: Any) -> np.dtype:

@@ -747,6 +747,15 @@ def _numpy_folds() -> dict[Any, Callable[..., Any]]:
 FOLDS = _numpy_folds()
 
 
+def _foldable_size(shape: Any) -> bool:
+    """Whether a value of ``shape`` is small enough to fold: at most
+    ``FOLD_SIZE`` elements, and of static size (a symbolic dimension of
+    ``jax.export`` is not folded)."""
+    if not all(isinstance(d, (int, np.integer)) for d in shape):
+        return False
+    return math.prod(shape) <= FOLD_SIZE
+
+
 def _fold(
     planning: _Planning,
     eqn: Any,
@@ -768,7 +777,7 @@ def _fold(
     values = None
     operands = [i.value for i in infos]
     numpy = FOLDS.get(eqn.primitive)
-    if all(math.prod(v.aval.shape) <= FOLD_SIZE for v in eqn.outvars):
+    if all(_foldable_size(v.aval.shape) for v in eqn.outvars):
         try:
             if compute is not None:
                 values = compute(operands)

@@ -18,6 +18,7 @@ JAX caches.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -97,7 +98,7 @@ def _hoisted(
             upcasts[k]
             or keeps[k]
             or any(a in core_vars for a in reads)
-            or _size(eqn.outvars) > _size(reads)
+            or _grows(eqn.outvars, reads)
         ):
             core_vars.update(eqn.outvars)
         else:
@@ -105,9 +106,20 @@ def _hoisted(
     return hoisted
 
 
-def _size(atoms: Sequence[Any]) -> int:
-    """The largest element count of ``atoms``."""
-    return max((int(np.prod(a.aval.shape)) for a in atoms), default=0)
+def _grows(outs: Sequence[Any], reads: Sequence[Any]) -> bool:
+    """Whether an equation's largest output has more elements than its
+    largest input; where symbolic sizes (``jax.export``) cannot tell, it
+    is taken to (and is not hoisted: a saved output could be larger)."""
+    try:
+        return bool(_size(outs) > _size(reads))
+    except _compat.InconclusiveDimensionOperation:
+        return True
+
+
+def _size(atoms: Sequence[Any]) -> Any:
+    """The largest element count of ``atoms`` (symbolic under shape
+    polymorphism)."""
+    return max((math.prod(a.aval.shape) for a in atoms), default=0)
 
 
 Equation = Callable[[Any, Any, list[Any]], list[Any]]
