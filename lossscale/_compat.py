@@ -39,10 +39,11 @@ What is used, and what happens if it moves:
   hold ``jit`` equations named after the primitive, and
   ``tests/test_autocast_cost.py`` fails.
 - the class of the error a comparison of symbolic dimensions raises
-  (:data:`InconclusiveDimensionOperation`, public in ``jax.errors`` from
-  jax 0.8): autocast compares sizes to choose what a float32 island saves
-  and which matmuls go float8; under ``jax.export``'s shape polymorphism
-  an undecidable comparison takes the choice that holds for every size.
+  (:data:`InconclusiveDimensionOperation`, public in ``jax.errors`` on jax
+  0.10 and 0.12, in JAX's core only on 0.7): autocast compares sizes to
+  choose what a float32 island saves and which matmuls go float8; under
+  ``jax.export``'s shape polymorphism an undecidable comparison takes the
+  choice that holds for every size.
 - the ``PmapSharding`` class (:func:`pmap_laid_out`), which only jax 0.7's
   ``pmap`` outputs carry. If it is missing, such outputs are checked
   eagerly by one program, which first moves them: correct, but a copy.
@@ -66,7 +67,8 @@ from jax.extend import source_info_util
 
 
 def _inconclusive() -> type[Exception]:
-    # Public in jax.errors from jax 0.8; jax 0.7 has it in its core only.
+    # Public in jax.errors on jax 0.10 and 0.12; jax 0.7 has it in its
+    # core only.
     public = getattr(jax.errors, "InconclusiveDimensionOperation", None)
     if public is not None:
         return public
