@@ -354,7 +354,7 @@ def test_export_with_a_symbolic_batch_dimension(compute):
     from jax import export
 
     def loss(w, x):
-        shift = jnp.full(x.shape[:-1] + (1,), 0.1)  # a constant, 'b' rows
+        shift = jnp.full((*x.shape[:-1], 1), 0.1)  # a constant, 'b' rows
         return jnp.mean(jnp.tanh(x @ w + shift) ** 2)
 
     cd = jnp.bfloat16 if compute == "bfloat16" else lossscale.Float8()
