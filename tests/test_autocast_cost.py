@@ -169,7 +169,8 @@ def _eager_calls_from_threads(locked):
         thread.start()
     for thread in threads:
         thread.join()
-    assert not errors
+    if locked:  # unlocked, a race may as well raise as compile again
+        assert not errors
     return sorted(traces), results
 
 
