@@ -377,6 +377,10 @@ def test_export_with_a_symbolic_batch_dimension(compute):
             # float8 page says (48 rows compiled on their own go float8).
             assert not float8
             x = normal(1, (48, 32))
+            (matmul,) = lossscale.matmuls(lossscale.autocast(loss, cd), w, x)
+            assert matmul.dtype == (
+                "float8_e4m3fn" if compute == "float8" else "bfloat16"
+            )
             bf16 = lossscale.autocast(loss, jnp.bfloat16)
             expected = jax.jit(jax.value_and_grad(bf16))(w, x)
         for got, want in zip(
