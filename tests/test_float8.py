@@ -108,10 +108,15 @@ def grad_jaxpr(fun, *args, argnums=0):
     return jax.make_jaxpr(jax.grad(fun, argnums))(*args)
 
 
-def assert_two_float8_layers(fun, *args):
+def assert_two_float8_layers(fun, *args, backward=4):
     """Both of the MLP's layers run in float8 in ``fun``'s gradient (else a
-    test of values could pass without float8)."""
-    assert fp8_counts(grad_jaxpr(fun, *args)) == {"forward": 2, "backward": 4}
+    test of values could pass without float8): two float8 matmuls in each
+    layer's backward pass (``backward=2`` under ``rowwise_with_gw_hp``,
+    whose weight gradient is 16-bit)."""
+    assert fp8_counts(grad_jaxpr(fun, *args)) == {
+        "forward": 2,
+        "backward": backward,
+    }
 
 
 # The checks below run in numpy: each JAX operation run eagerly on a new
@@ -609,18 +614,25 @@ def test_loss_scaled_skips_a_non_finite_step_untouched(case):
 # --- 4. one library with the loss scaler ----------------------------------
 
 
-@pytest.mark.parametrize("recipe", slow_but_first(["tensorwise", "rowwise"]))
+@pytest.mark.parametrize(
+    "recipe", slow_but_first(["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+)
 def test_power_of_two_loss_scale_leaves_the_float8_gradients_bitwise(recipe):
     # Current scaling absorbs a power-of-two loss scale: the cotangent's
     # amax, and its inverse scale, take the factor exactly, its float8
     # values do not change. The unscaled gradients are bitwise those of an
-    # unscaled loss. A scale that is not a power of two changes them.
+    # unscaled loss, from 2**-60 to 2**60 (with torchao's amax floor of
+    # 1e-12, 2**-60 put the gradients' amax under the floor: 22% off, and
+    # every gradient zero at 2**-70). A scale that is not a power of two
+    # changes them.
     f = lossscale.autocast(mse, lossscale.Float8(recipe))
     params, (x, y) = mlp_params(), batch()
-    assert_two_float8_layers(f, params, x, y)
+    gw_hp = recipe == "rowwise_with_gw_hp"
+    assert_two_float8_layers(f, params, x, y, backward=2 if gw_hp else 4)
+    powers = (-60, -30, 12, 30, 60)
     scales = {
         "none": lossscale.NoOpLossScale(),
-        "2**12": lossscale.StaticLossScale(2.0**12),
+        **{f"2**{k}": lossscale.StaticLossScale(2.0**k) for k in powers},
         "1000": lossscale.StaticLossScale(1000.0),
     }
 
@@ -635,7 +647,8 @@ def test_power_of_two_loss_scale_leaves_the_float8_gradients_bitwise(recipe):
 
     grads = unscaled_grads(params, x, y)
     assert all_finite(grads["none"])
-    assert_trees_bitwise_equal(grads["2**12"], grads["none"])
+    for k in powers:
+        assert_trees_bitwise_equal(grads[f"2**{k}"], grads["none"])
     with pytest.raises(AssertionError):  # the negative control
         assert_trees_bitwise_equal(grads["1000"], grads["none"])
     # ... by float8's rounding only.

@@ -1,8 +1,10 @@
 """Float8 matmuls with current scaling (lossscale/_autocast/_fp8.py).
 
 The reference is numpy and ml_dtypes: each operand quantised as torchao
-does (``scale = fp8_max / max(amax, 1e-12)``, optionally rounded down to a
-power of two, ``q = float8(x * scale)``), dequantised, and multiplied in
+does (``scale = fp8_max / max(amax, floor)``, optionally rounded down to a
+power of two, ``q = float8(x * scale)``), except that the floor is
+float32's smallest normal, not 1e-12, and the scale is capped at float32's
+largest finite value), dequantised, and multiplied in
 float64. XLA:CPU runs a float8 ``dot_general`` exactly as a float32 dot of
 the float8 values (their products are exact in float32), so the only
 differences are float32 accumulation (at most K * 2**-24 of the sum of
@@ -43,6 +45,7 @@ _spec.loader.exec_module(fp8_check)
 E4M3, E5M2 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)
 F32, BF16 = np.dtype(np.float32), np.dtype(jnp.bfloat16)
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+TINY = np.finfo(np.float32).tiny
 
 # jax 0.7's XLA:CPU converts float32 to float8 through float16, rounding
 # twice (10.50195 becomes 10.5, then 10 by ties-to-even, not 11): about
@@ -102,7 +105,9 @@ def ref_dequantize(x, dtype, axes, pow2):
         amax = np.max(np.abs(x))
     else:
         amax = np.max(np.abs(x), axis=tuple(axes), keepdims=True)
-    scale = np.float32(FP8_MAX[dtype]) / np.maximum(amax, np.float32(1e-12))
+    with np.errstate(over="ignore"):  # capped just below
+        scale = np.float32(FP8_MAX[dtype]) / np.maximum(amax, TINY)
+    scale = np.minimum(scale, np.finfo(np.float32).max)
     if pow2:
         _, exponent = np.frexp(scale)
         scale = np.ldexp(np.float32(0.5), exponent).astype(np.float32)
@@ -439,8 +444,8 @@ def test_non_finite_values_are_never_hidden():
 
 def test_zeros_give_zeros():
     # A zero operand (a zero-initialised layer) or cotangent has amax 0:
-    # EPS keeps its scale finite (448 / float32's tiny would overflow to
-    # inf, and 0 * inf is NaN).
+    # its scale is capped at float32's max (448 / float32's tiny overflows
+    # to inf, and 0 * inf is NaN).
     spec = SPECS["dense"][0]
     (lhs, rhs, ct), _ = results("dense")
     run = fp8_vjps(spec, tuple(CONFIGS))
@@ -460,13 +465,33 @@ def test_power_of_two_loss_scale_is_absorbed_bit_for_bit():
     # same, with and without power-of-two scales.
     (lhs, rhs, ct), expected = results("dense")
     run = fp8_vjps(SPECS["dense"][0], tuple(CONFIGS))
-    for k in (12, -5):
+    for k in (60, 12, -5, -60):
         factor = np.float32(2.0**k)
         scaled = run(lhs, rhs, ct * BF16.type(factor))
         for name in CONFIGS:
             for a, b in zip(expected[name][1:], scaled[name][1:], strict=True):
                 unscaled = np.asarray(b) / factor
                 assert np.asarray(a).tobytes() == unscaled.tobytes(), (name, k)
+
+
+def test_a_small_operand_is_scaled_to_float8s_range():
+    # An operand whose amax lies below torchao's floor (1e-12) is scaled up
+    # to float8's range all the same: its product and gradients are those
+    # of the operand at its usual size, times the power of two (bitwise).
+    # With the floor at 1e-12 the operand 2**-100 times smaller quantised to
+    # zeros, and every result was 0.
+    (lhs, rhs, ct), expected = results("dense")
+    run = fp8_vjps(SPECS["dense"][0], tuple(CONFIGS))
+    for k in (-60, -100):
+        factor = np.float32(2.0**k)
+        small = run(lhs * factor, rhs, ct)
+        for name in CONFIGS:
+            y, dlhs, drhs = (np.asarray(v, F32) for v in small[name])
+            y0, dlhs0, drhs0 = (np.asarray(v, F32) for v in expected[name])
+            assert np.count_nonzero(y) == np.count_nonzero(y0) > 0
+            assert (y / factor).tobytes() == y0.tobytes(), (name, k)
+            assert dlhs.tobytes() == dlhs0.tobytes(), (name, k)
+            assert (drhs / factor).tobytes() == drhs0.tobytes(), (name, k)
 
 
 # --- transformations ----------------------------------------------------

@@ -27,6 +27,7 @@ from lossscale import _compat
 
 __all__ = [
     "EPS",
+    "MAX_SCALE",
     "RECIPES",
     "Float8",
     "dot_general",
@@ -38,10 +39,17 @@ E5M2 = np.dtype(jnp.float8_e5m2)
 F32 = np.dtype(np.float32)
 _MAX = {E4M3: 448.0, E5M2: 57344.0}
 
-# torchao's floor under an amax (torchao/float8/float8_utils.py): a tensor
-# of zeros gets a finite scale. float32's tiny (1.2e-38) would not do:
-# 448 / tiny overflows to inf, and 0 * inf is NaN.
-EPS = 1e-12
+# The floor under an amax: float32's smallest normal, so that every
+# finite non-zero amax above it is scaled to float8's range. torchao's
+# floor, 1e-12 (torchao/float8/float8_utils.py), scales a gradient below
+# it (a loss scaled by 2**-60) by less than it needs, and breaks the
+# absorption of a power-of-two loss scale. Below 448 / float32's max
+# (2**-119 for e4m3, 2**-111 for e5m2) the scale overflows: it is capped
+# at float32's largest finite value (:data:`MAX_SCALE`), which still maps
+# the amax to at least 4 (e4m3) or 2**-1 (e5m2), normal numbers of the
+# format, and keeps a tensor of zeros zero (0 * inf would be NaN).
+EPS = float(np.finfo(np.float32).tiny)
+MAX_SCALE = float(np.finfo(np.float32).max)
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 # torchao's Float8LinearConfig.from_recipe_name: round_scales_to_power_of_2.
@@ -67,8 +75,9 @@ class Float8:
     .. code-block:: none
 
         amax  = max(|x|)                  # per tensor, or per row (below)
-        scale = fp8_max / max(amax, EPS)  # float32; rounded DOWN to a power
-                                          # of two if power_of_two_scales
+        scale = min(fp8_max / max(amax, EPS), MAX_SCALE)  # float32;
+                                          # rounded DOWN to a power of two
+                                          # if power_of_two_scales
         q     = float8(float32(x) * scale)   # no clip: nothing overflows
         out   = dot(q_lhs, q_rhs, accumulate=float32) / (scale_lhs * scale_rhs)
 
@@ -108,8 +117,10 @@ class Float8:
     exactly: scaling the output gradient by ``2**k`` scales its amax and its
     inverse scale by ``2**k`` and leaves its float8 values unchanged, so the
     gradients unscaled afterwards are bitwise those computed without it
-    (with or without power-of-two scales, as long as the gradient's amax
-    stays above ``EPS`` and nothing overflows).
+    (with or without power-of-two scales, for any scale that keeps the
+    gradients normal float32 numbers: ``2**-60`` to ``2**60`` is tested).
+    ``EPS`` is float32's smallest normal, not torchao's ``1e-12``, so that
+    a small gradient is scaled up to float8's range too.
 
     How it maps to other libraries:
 
@@ -365,7 +376,8 @@ def _scale(
         axes = tuple(axes)
         amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True, initial=0)
     amax = amax.astype(F32)
-    scale = _MAX[dtype] / jnp.maximum(amax, EPS)
+    # jnp.minimum keeps a NaN (a NaN amax), and an inf amax gives 0.
+    scale = jnp.minimum(_MAX[dtype] / jnp.maximum(amax, EPS), MAX_SCALE)
     return round_down_to_power_of_two(scale) if pow2 else scale
 
 
