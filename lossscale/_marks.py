@@ -75,8 +75,11 @@ def _forget(registry: dict[int, Any], key: int, ref: weakref.ref[Any]) -> None:
 
 def _remember(registry: dict[int, Any], leaf: Any, value: Any) -> None:
     key = id(leaf)
+    # The callback holds _forget itself, not its global name: a leaf kept
+    # in a module variable dies at interpreter exit, after the globals of
+    # this module are cleared to None.
     try:
-        ref = weakref.ref(leaf, lambda r, key=key: _forget(registry, key, r))
+        ref = weakref.ref(leaf, functools.partial(_forget, registry, key))
     except TypeError:  # a leaf that cannot be referenced weakly
         return
     registry.pop(key, None)  # the latest record last (see _origin)
