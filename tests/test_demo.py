@@ -1,7 +1,9 @@
 """python -m lossscale.demo: runs, reports, plots, and shows the effect."""
 
 import dataclasses
+import io
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -10,6 +12,7 @@ import pytest
 
 import lossscale
 from lossscale import demo
+from lossscale.demo import _common as _demo_common
 from lossscale.demo import _gpt as _demo_gpt
 from lossscale.demo import _text as _demo_text
 
@@ -131,6 +134,137 @@ def test_an_unwritable_out_folder_from_the_command_line():
     assert "/proc/nope" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert "Training" not in proc.stdout
+
+
+# A mode's line: the table's figures, named, then the times.
+MODE_LINE = re.compile(
+    r"  (?P<mode>[\w-]+) done: final train loss (?P<train>\d+\.\d{4}), "
+    r"test loss (?P<test>\d+\.\d{4}), test accuracy (?P<accuracy>[\d.]+), "
+    r"zero-gradient fraction [\d.]+, skipped steps \d+, final scale \S+; "
+    r"(?P<seconds>\d+\.\d) s training, \d+\.\d s in all"
+)
+
+
+def fake_result(mode, index):
+    """A Result whose losses have more than 4 decimals."""
+    steps = 20
+    return _demo_common.Result(
+        mode=mode,
+        losses=np.full(steps, 2.09846 + index),
+        scales=np.full(steps, 2.0**15),
+        skipped=np.zeros(steps, bool),
+        zero_fraction=np.zeros(steps),
+        test_loss=2.23851 + index,
+        test_accuracy=0.5,
+        seconds=1.25 + index,
+    )
+
+
+def test_each_mode_reports_before_the_next_starts(
+    tmp_path, capsys, monkeypatch
+):
+    # What was printed when each mode started training.
+    printed_at_start = []
+    printed = []
+
+    def train(mode, steps, seed, progress=True):
+        printed.append(capsys.readouterr().out)
+        printed_at_start.append("".join(printed))
+        return fake_result(mode, len(printed_at_start) - 1)
+
+    monkeypatch.setitem(
+        demo.MODELS,
+        "mlp",
+        dataclasses.replace(demo.MODELS["mlp"], train=train),
+    )
+    modes = ["f32", "f16", "dynamic"]
+    args = ["--modes", ",".join(modes), "--no-plot", "--out", str(tmp_path)]
+    demo.main(args)
+    out = "".join(printed) + capsys.readouterr().out
+
+    lines = [m for m in map(MODE_LINE.fullmatch, out.splitlines()) if m]
+    assert [m["mode"] for m in lines] == modes
+    for i in range(len(modes)):
+        # Before mode i trained, the modes before it had their line, and
+        # it had none.
+        seen = [m["mode"] for m in MODE_LINE.finditer(printed_at_start[i])]
+        assert seen == modes[:i]
+        # 4 decimals, rounded: 2.09846 + i and 2.23851 + i.
+        assert lines[i]["train"] == f"{2.0985 + i:.4f}"
+        assert lines[i]["test"] == f"{2.2385 + i:.4f}"
+    # The final table's rows say the same, to the same decimals.
+    table = (tmp_path / "results.md").read_text()
+    for m in lines:
+        row = f"| {m['mode']} | {m['train']} | {m['test']} | {m['accuracy']} |"
+        assert row in table
+        assert f"| {m['seconds']} |" in table
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize(
+    "stderr, progress, shown",
+    [
+        (_Terminal, True, True),
+        (_Terminal, False, False),
+        (io.StringIO, True, False),  # a log, a pipe, pytest's capture
+    ],
+    ids=["terminal", "no-progress", "not-a-terminal"],
+)
+def test_the_progress_bar_shows_on_a_terminal_only(
+    stderr, progress, shown, monkeypatch
+):
+    def step(params, opt_state, key, data):
+        record = (np.float32(2.5), np.float32(1), np.False_, np.float32(0))
+        return params, opt_state, record
+
+    err = stderr()
+    monkeypatch.setattr(sys, "stderr", err)
+    _, (losses, *_), _ = _demo_common.run_steps(
+        step, {}, (), None, np.arange(20), "f32", progress
+    )
+    assert losses.tolist() == [2.5] * 20
+    text = err.getvalue()
+    if shown:
+        # The bar names the mode, counts the steps and shows the loss.
+        assert "f32:" in text and "/20" in text and "loss=2.5000" in text
+    else:
+        assert text == ""
+
+
+@pytest.mark.slow
+def test_the_command_reports_each_mode_as_it_ends(tmp_path):
+    # A real run through a pipe, as in a log: each mode's line comes while
+    # the demo is still running (flushed, not held in the pipe's buffer),
+    # and stderr, not a terminal, gets no progress bar.
+    modes = ["f32", "dynamic"]
+    command = [sys.executable, "-m", "lossscale.demo", "--steps", "10"]
+    command += ["--modes", ",".join(modes), "--no-plot", "--out", str(tmp_path)]
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    lines = []
+    running_at_first_line = None
+    for line in proc.stdout:
+        lines.append(line.rstrip("\n"))
+        if running_at_first_line is None and MODE_LINE.fullmatch(lines[-1]):
+            running_at_first_line = proc.poll() is None
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert running_at_first_line
+    assert err == ""
+    found = [m for m in map(MODE_LINE.fullmatch, lines) if m]
+    assert [m["mode"] for m in found] == modes
+    table = (tmp_path / "results.md").read_text()
+    for m in found:
+        assert f"| {m['mode']} | {m['train']} | {m['test']} |" in table
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import functools
 import pathlib
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 
 from lossscale.demo import _common as common
@@ -83,6 +84,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="folder for the results table and the figure",
     )
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (there is none anyway where stderr is not a "
+        "terminal); each mode's line is printed either way",
+    )
     args = parser.parse_args(argv)
     model = MODELS[args.model]
     if args.steps is None:
@@ -146,15 +153,20 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
         model = _gpt.model(_gpt.Config(width=args.width))
     print(
         f"Training {model.describe} for {args.steps} steps in each mode "
-        f"({', '.join(args.modes)}); seed {args.seed}."
+        f"({', '.join(args.modes)}); seed {args.seed}.",
+        flush=True,
     )
     results = []
     for mode in args.modes:
-        # A progress bar on a terminal; either way, one line per mode.
+        start = time.perf_counter()
         result = model.train(
-            mode, args.steps, args.seed, progress=sys.stderr.isatty()
+            mode, args.steps, args.seed, progress=not args.no_progress
         )
-        print(f"  {mode}: {result.seconds:.1f} s", flush=True)
+        # Flushed, so that a pipe or a log shows it before the next mode.
+        summary = common.summary(
+            result, time.perf_counter() - start, model.test_label
+        )
+        print(f"  {summary}", flush=True)
         results.append(result)
     report = common.table(results, model.test_label)
     print(report)
