@@ -26,6 +26,7 @@ from lossscale import (
     _interop,
     _marks,
     _scales,
+    _slips,
     _tree,
 )
 from lossscale._scales import LossScale
@@ -204,7 +205,7 @@ def value_and_grad(
         options["argnums"] = argnums
 
     def scaled(*args: Any, **kwargs: Any) -> tuple[Any, tuple[Any, Any]]:
-        with _marks.in_loss(True):  # a scale() in fun would scale twice
+        with _slips.in_loss(True):  # a scale() in fun would scale twice
             out = fun(*args, **kwargs)
         if has_aux:
             if not (isinstance(out, tuple) and len(out) == 2):
@@ -223,7 +224,7 @@ def value_and_grad(
             loss, aux = out, None
         # The true loss leaves as an auxiliary output: no second pass, and
         # no division of a scaled loss that may have overflowed.
-        with _marks.in_loss(False):
+        with _slips.in_loss(False):
             return scale.scale(loss), (loss, aux)
 
     grad_fn = via(scaled, **options)

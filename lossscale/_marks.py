@@ -9,10 +9,9 @@ mistake that made them, compares the marked scale with its state's (at
 trace time where the trace tells, else on the device: a stale scale skips
 the step), and refuses gradients a data-parallel step never averaged.
 
-Two more slips are caught here: a loss scale's ``scale`` called inside
-the function ``value_and_grad`` differentiates (the loss scaled twice), and
-gradients unscaled by hand before ``tx.update`` (unscaled twice; the
-built-in scales' ``unscale`` records what it returns).
+Gradients unscaled by hand before ``tx.update`` (which would unscale them
+twice) are unmarked too: the refusal names that mistake from the record
+the built-in scales' ``unscale`` keeps (:mod:`lossscale._slips`).
 
 The record is trace-time bookkeeping keyed by the leaf objects themselves
 (arrays eagerly, tracers under a transformation), held weakly: a leaf is
@@ -23,17 +22,14 @@ boundary) is a new object, and unmarked.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-import weakref
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Hashable, Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from lossscale import _compat, _scales, _tree
+from lossscale import _compat, _records, _scales, _slips, _tree
 
 
 class Mark(NamedTuple):
@@ -52,45 +48,7 @@ class Mark(NamedTuple):
     nested: str | None = None
 
 
-_MARKS: dict[int, tuple[weakref.ref[Any], Mark]] = {}
-# Leaves a built-in loss scale's unscale returned outside tx.update: the
-# gradients of a hand-written unscale, named in tx.update's refusal.
-_UNSCALED: dict[int, tuple[weakref.ref[Any], bool]] = {}
-
-# Inside tx.update, which unscales by itself: its unscale marks nothing.
-_QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "lossscale_marks_quiet", default=False
-)
-# Inside the function given to value_and_grad, which scales its loss.
-_IN_LOSS: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "lossscale_in_loss", default=False
-)
-
-
-def _forget(registry: dict[int, Any], key: int, ref: weakref.ref[Any]) -> None:
-    entry = registry.get(key)
-    if entry is not None and entry[0] is ref:
-        del registry[key]
-
-
-def _remember(registry: dict[int, Any], leaf: Any, value: Any) -> None:
-    key = id(leaf)
-    # The callback holds _forget itself, not its global name: a leaf kept
-    # in a module variable dies at interpreter exit, after the globals of
-    # this module are cleared to None.
-    try:
-        ref = weakref.ref(leaf, functools.partial(_forget, registry, key))
-    except TypeError:  # a leaf that cannot be referenced weakly
-        return
-    registry.pop(key, None)  # the latest record last (see _origin)
-    registry[key] = (ref, value)
-
-
-def _recall(registry: dict[int, Any], leaf: Any) -> Any:
-    entry = registry.get(id(leaf))
-    if entry is None or entry[0]() is not leaf:
-        return None
-    return entry[1]
+_MARKS: _records.LeafRecord[Mark] = _records.LeafRecord()
 
 
 def mark(
@@ -105,59 +63,12 @@ def mark(
     record = Mark(scale, averaged, source, nested)
     for leaf in jax.tree.leaves(tree):
         if _tree.is_float(leaf):
-            _remember(_MARKS, leaf, record)
+            _MARKS.remember(leaf, record)
 
 
 def lookup(leaf: Any) -> Mark | None:
     """The mark of ``leaf`` itself, or ``None``."""
-    return _recall(_MARKS, leaf)
-
-
-def note_unscaled(tree: Any) -> None:
-    """Records the floating leaves a loss scale's ``unscale`` returned,
-    unless ``tx.update`` itself is unscaling (see :func:`quiet`)."""
-    if _QUIET.get():
-        return
-    for leaf in jax.tree.leaves(tree):
-        if _tree.is_float(leaf):
-            _remember(_UNSCALED, leaf, True)
-
-
-@contextlib.contextmanager
-def _setting(var: contextvars.ContextVar[bool], value: bool) -> Iterator[None]:
-    token = var.set(value)
-    try:
-        yield
-    finally:
-        var.reset(token)
-
-
-def quiet() -> contextlib.AbstractContextManager[None]:
-    """``tx.update``'s own unscaling: not a hand-written one."""
-    return _setting(_QUIET, True)
-
-
-def in_loss(inside: bool) -> contextlib.AbstractContextManager[None]:
-    """Whether the code run in this context is the loss function given to
-    :func:`lossscale.value_and_grad` (``True``), or value_and_grad's own
-    scaling of its result (``False``)."""
-    return _setting(_IN_LOSS, inside)
-
-
-def refuse_double_scaling() -> None:
-    """Refuses a loss scale's ``scale`` inside the loss function that
-    :func:`lossscale.value_and_grad` is differentiating: the loss would be
-    scaled twice."""
-    if _IN_LOSS.get():
-        raise ValueError(
-            "a loss scale's scale() was called inside the function given to "
-            "lossscale.value_and_grad, which multiplies the loss by the "
-            "scale itself: the gradients would be scaled twice (S**2 times "
-            "the true ones) and the loss it returns would be the scaled one. "
-            "Return the plain loss from the function and let "
-            "lossscale.value_and_grad scale it; scale by hand only with "
-            "plain jax.grad (then pass tx.update(..., scaled_by=scale))."
-        )
+    return _MARKS.recall(leaf)
 
 
 def same_scale(
@@ -282,7 +193,7 @@ def refusal(path: str, leaves: list[Any], sources: list[Any]) -> str:
     """
     where = f"the gradient at {path}"
     bad = [x for x in leaves if _tree.is_float(x) and lookup(x) is None]
-    if any(_recall(_UNSCALED, x) for x in bad):
+    if any(_slips.unscaled_by_hand(x) for x in bad):
         return (
             f"{where} was unscaled by hand (loss_scale.unscale(grads)) "
             "before tx.update, which unscales by itself: it would be divided "
@@ -394,10 +305,8 @@ def _live_calls() -> list[tuple[Mark, list[Any]]]:
     """Each :func:`lossscale.value_and_grad` call whose marked gradients
     are (partly) alive, with those leaves, the latest last."""
     calls: dict[int, tuple[Mark, list[Any]]] = {}
-    for ref, found in list(_MARKS.values()):
-        leaf = ref()
-        if leaf is not None:
-            calls.setdefault(id(found), (found, []))[1].append(leaf)
+    for leaf, found in _MARKS.alive():
+        calls.setdefault(id(found), (found, []))[1].append(leaf)
     return list(calls.values())
 
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lossscale import _checks, _marks, _tree
+from lossscale import _checks, _slips, _tree
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -288,14 +288,14 @@ def _scale_leaf(x: Any, scale: jax.Array) -> Any:
 
 
 def _scale_tree(tree: T, loss_scale: Any) -> T:
-    _marks.refuse_double_scaling()
+    _slips.refuse_double_scaling()
     return jax.tree.map(lambda x: _scale_leaf(x, loss_scale), tree)
 
 
 def _unscale_tree(tree: T, loss_scale: Any) -> T:
     inv_scale = jnp.reciprocal(jnp.asarray(loss_scale, jnp.float32))
     out = jax.tree.map(lambda x: _tree.multiply_keep_dtype(x, inv_scale), tree)
-    _marks.note_unscaled(out)  # for tx.update's refusal, if they reach it
+    _slips.note_unscaled(out)  # for tx.update's refusal, if they reach it
     return out
 
 

@@ -39,6 +39,7 @@ from lossscale import (
     _marks,
     _scales,
     _skip,
+    _slips,
     _tree,
 )
 from lossscale._scales import LossScale
@@ -949,7 +950,7 @@ class _Unscaled:
         if label not in self._done:
             idx = self._plan.members[label]
             leaves = [self._plan.leaves[i] for i in idx]
-            with _marks.quiet():  # not a hand-written unscale
+            with _slips.quiet():  # not a hand-written unscale
                 self._done[label] = (
                     list(self._groups[label].unscale(leaves)) if idx else []
                 )
