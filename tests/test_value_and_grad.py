@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lossscale
-from lossscale import _compat
+from lossscale import _compat, _records
 from tests.helpers import assert_trees_bitwise_equal
 
 SCALE = 8.0
@@ -722,3 +722,18 @@ def test_marked_gradients_kept_in_module_variables_exit_quietly():
         cwd=pathlib.Path(__file__).resolve().parent.parent,
     )
     assert (proc.returncode, proc.stderr) == (0, "")
+
+
+def test_a_dying_marked_leaf_needs_no_module_global(monkeypatch):
+    # At interpreter exit a module's globals may be cleared to None before
+    # the leaves kept in another module's variables die: forgetting a mark
+    # must not look any of them up then, whatever order the exit takes.
+    record = _records.LeafRecord()
+    leaf = jnp.ones(2)
+    record.remember(leaf, "mark")
+    monkeypatch.setattr(_records, "_forget", None)
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    del leaf
+    assert (record.alive(), unraisable) == ([], [])
+    assert not record._entries
