@@ -43,7 +43,18 @@ def test_readme_block_runs_alone_in_a_fresh_interpreter(block, tmp_path):
 @pytest.mark.standard_promotion
 def test_readme_python_blocks_run_in_order(capsys):
     namespace = run_blocks(BLOCKS)
-    assert "loss_scale" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "loss_scale" in out
+    # The float8 block prints what its comment says it prints.
+    float8 = next(b for b in BLOCKS if "Float8" in b.code)
+    promised = [
+        line.removeprefix("# ")
+        for line in float8.code.splitlines()
+        if line.startswith("# float8_e4m3fn")
+    ]
+    assert len(promised) == 2
+    for line in promised:
+        assert line in out.splitlines()
     metrics = namespace["lossscale"].metrics(namespace["opt_state"])
     # float16 compute with the default 2**16 start: the weight gradient is
     # 8 * 2 * S / 8 = 2S in float16, which overflows (> 65504) at S = 2**16
@@ -53,9 +64,11 @@ def test_readme_python_blocks_run_in_order(capsys):
     assert namespace["params"]["w"].ravel().tolist() != [0.0] * 4
 
 
-def test_readme_links_exist_and_fit_in_15_kb():
+def test_readme_links_exist_and_fit_in_6_kb():
+    # A page a newcomer reads in two minutes; CI's times and the test
+    # count are on docs/development.md.
     text = README.read_text()
-    assert len(text.encode()) <= 15 * 1024
+    assert len(text.encode()) <= 6 * 1024
     for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
         assert (README.parent / target).exists(), target
 
@@ -78,3 +91,31 @@ def test_ci_runs_the_readme_test_command():
     assert "python -m pytest" in commands[1]
     ci = (README.parent / ".ci" / "run").read_text().splitlines()
     assert commands[1] in ci
+
+
+def test_the_development_page_runs_what_ci_runs():
+    # The page that quotes the test count and CI's times names the
+    # commands they were measured with: those .ci/run runs.
+    page = (README.parent / "docs" / "development.md").read_text()
+    ci = (README.parent / ".ci" / "run").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", page, re.S)
+    pytest_lines = [
+        line
+        for block in blocks
+        for line in block.splitlines()
+        if line.startswith("python -m pytest")
+    ]
+    assert pytest_lines == [
+        "python -m pytest -n auto",
+        'python -m pytest -m "not slow" -n auto',
+    ]
+    for line in pytest_lines:
+        assert line in ci.splitlines() or f"&& {line}" in ci
+    assert "sphinx-build -W --keep-going -b html docs" in ci
+    assert "python tests/test_docs.py" in ci
+    # The suite's size and CI's times are there, dated, and not in the
+    # README.
+    assert re.search(r"\(\d+ tests, `-n auto`", page)
+    assert re.search(r"\d+ min \d+ s on 20\d\d-\d\d-\d\d", page)
+    readme = README.read_text()
+    assert not re.search(r"\d+ tests\b|\d+ min \d+ s", readme)
