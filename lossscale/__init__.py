@@ -15,6 +15,7 @@ from lossscale._autocast import (
     Float8,
     Matmul,
     autocast,
+    compute_scope,
     float32_scope,
     matmuls,
 )
@@ -73,6 +74,7 @@ __all__ = (
     "cast_to_full",
     "cast_to_half",
     "compare_config",
+    "compute_scope",
     "diagnose",
     "float32_scope",
     "get_loss_scale",

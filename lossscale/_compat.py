@@ -815,6 +815,22 @@ def transpose_out_sharding(x: Any, axes: Sequence[int]) -> Any:
     return sharding.update(spec=spec.update(partitions=permuted))
 
 
+def permuted_sharding(out_sharding: Any, axes: Sequence[int]) -> Any:
+    """A ``dot_general``'s ``out_sharding`` (a sharding, a
+    ``PartitionSpec`` or ``None``) for its output's axes in the order
+    ``axes``."""
+    if out_sharding is None:
+        return None
+    spec = getattr(out_sharding, "spec", out_sharding)
+    if not isinstance(spec, jax.sharding.PartitionSpec):
+        return out_sharding
+    entries = tuple(spec) + (None,) * (len(axes) - len(tuple(spec)))
+    permuted = spec.update(partitions=tuple(entries[a] for a in axes))
+    if spec is out_sharding:
+        return permuted
+    return out_sharding.update(spec=permuted)
+
+
 def vary_over(x: Any, axes: frozenset[Any]) -> Any:
     """``x`` made to vary over the mapped ``axes`` of a ``shard_map`` (as
     ``lax.dot_general`` does implicitly to an operand that meets a varying

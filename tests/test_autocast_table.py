@@ -25,7 +25,7 @@ PACKAGE = pathlib.Path(lossscale.__file__).parent / "_autocast"
 LAYERS = [
     ["_classes", "_rules", "_fp8"],
     ["_cast", "_config"],
-    ["_islands"],
+    ["_islands", "_weights"],
     ["_infer"],
     ["_emit"],
     ["_higher"],

@@ -371,8 +371,13 @@ def test_forward_e4m3_backward_e5m2_by_e4m3_float32_accumulation(config):
     backward = sorted(found[1:])
     if config == "rowwise_with_gw_hp":
         # the weight's gradient from compute-dtype operands, no float8,
-        # accumulated in float32
-        assert backward == [(["bfloat16", "bfloat16"], F32), ([e4, e5], F32)]
+        # accumulated in float32 (lax.platform_dependent's two branches:
+        # the 16-bit GEMM, and on CPU float32 products of the 16-bit values)
+        assert backward == [
+            (["bfloat16", "bfloat16"], F32),
+            (["float32", "float32"], F32),
+            ([e4, e5], F32),
+        ]
         assert fp8_check.count_fp8_dots(jaxpr) == (1, 1, 0)
     else:
         assert backward == [([e4, e5], F32), ([e4, e5], F32)]

@@ -26,7 +26,8 @@ listed before it; ``tests/test_autocast_table.py`` checks it):
    one line there**; :mod:`._fp8`: the float8 matmul.
 2. :mod:`._cast`: casting values to their classes; :mod:`._config`: the
    configuration and the caches.
-3. :mod:`._islands`: float32 islands.
+3. :mod:`._islands`: float32 islands; :mod:`._weights`: which operand of
+   a matmul is its weight, from the dataflow (float8 recipes).
 4. :mod:`._infer`: the first pass, with its tables (:data:`._infer.KINDS`,
    one rule per kind, and :data:`._infer.HIGHER`).
 5. :mod:`._emit`: the second pass, with its table (:data:`._emit.HIGHER`).
@@ -36,7 +37,8 @@ listed before it; ``tests/test_autocast_table.py`` checks it):
    new higher-order primitive is one entry there**.
 7. :mod:`._run`: one call (trace, plan, emit, write NNX state back).
 8. :mod:`._eager`: the wrapper, comparable, and its eager compilation.
-9. :mod:`._api`: :func:`autocast` and :func:`float32_scope`;
+9. :mod:`._api`: :func:`autocast`, :func:`float32_scope` and
+   :func:`compute_scope`;
    :mod:`._report`: :func:`matmuls`, which lists each matmul's dtype.
 
 Every JAX internal they read is in :mod:`lossscale._compat`.
@@ -45,6 +47,7 @@ Every JAX internal they read is in :mod:`lossscale._compat`.
 from lossscale._autocast._api import (
     autocast,
     check_compute_dtype,
+    compute_scope,
     float32_scope,
 )
 from lossscale._autocast._fp8 import Float8
@@ -58,6 +61,7 @@ __all__ = [
     "Matmul",
     "autocast",
     "check_compute_dtype",
+    "compute_scope",
     "float32_scope",
     "matmuls",
 ]

@@ -1,4 +1,5 @@
-"""The public function :func:`autocast` and :func:`float32_scope`."""
+"""The public functions :func:`autocast`, :func:`float32_scope` and
+:func:`compute_scope`."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from lossscale._autocast._config import Config, frozen_items
 F = TypeVar("F", bound=Callable[..., Any])
 
 FLOAT32_SCOPE = _infer.FLOAT32_SCOPE
+COMPUTE_SCOPE = _infer.COMPUTE_SCOPE
 
 
 def autocast(
@@ -357,4 +359,32 @@ def float32_scope() -> Iterator[None]:
         dtype('float32')
     """
     with jax.named_scope(FLOAT32_SCOPE):
+        yield
+
+
+@contextlib.contextmanager
+def compute_scope() -> Iterator[None]:
+    """Keeps the matmuls traced inside it out of float8.
+
+    Under :func:`autocast` with a :class:`lossscale.Float8` recipe, the
+    matmuls traced in it (an output head, the first or last layer) run in
+    the recipe's 16-bit ``compute_dtype`` instead of float8, forward and
+    backward, as :func:`float32_scope` keeps a region in float32;
+    everything else in it follows autocast's rules as outside it. Without
+    a float8 recipe it changes nothing. A context manager and a decorator;
+    a ``jax.named_scope``, so it costs nothing outside autocast.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import lossscale
+        >>> def loss(w, x):
+        ...     h = x @ w
+        ...     with lossscale.compute_scope():
+        ...         return jnp.mean(h @ w)
+        >>> f = lossscale.autocast(loss, lossscale.Float8())
+        >>> w, x = jnp.full((32, 32), 0.1), jnp.ones((16, 32))
+        >>> [(m.dtype, m.why) for m in lossscale.matmuls(f, w, x)]
+        [('float8_e4m3fn', 'float8'), ('bfloat16', 'compute_scope')]
+    """
+    with jax.named_scope(COMPUTE_SCOPE):
         yield

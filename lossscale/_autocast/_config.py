@@ -96,10 +96,13 @@ class Config:
 
     @functools.cached_property
     def overrides(self) -> frozenset[tuple[str, str]]:
-        """The user's overrides, as ``("primitive" | "function", name)``."""
+        """The user's overrides, as ``("primitive" | "function" |
+        "exclude", name)`` (``"exclude"``: a float8 recipe's)."""
+        excluded = () if self.float8 is None else self.float8.exclude
         return frozenset(
             [("primitive", n) for n, _ in self.rules]
             + [("function", n) for n, _ in self.function_rules]
+            + [("exclude", n) for n in excluded]
         )
 
 

@@ -176,6 +176,7 @@ class Autocast:
                 result.functions,
                 self._warned,
             )
+            _run.warn_no_float8(self._config, result.float8, self._warned)
         return result
 
     def _compiled_for(

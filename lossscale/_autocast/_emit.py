@@ -96,7 +96,7 @@ def _equation(call: Call, eqn: Any, node: Node, invals: list[Any]) -> list[Any]:
     if node.mode is Mode.CONVERT:
         return _compat.bind_equation(eqn, invals)
     if node.mode is Mode.FLOAT8:
-        return store(_float8(call, eqn, invals), node.outs, compute)
+        return store(_float8(call, eqn, invals, node.data), node.outs, compute)
     dtype = {Mode.COMPUTE: compute, Mode.FLOAT32: F32_DTYPE}.get(node.mode)
     if node.remat:
         # The backward pass of x ** 3 (or exp x) would keep a float32
@@ -118,9 +118,10 @@ def _equation(call: Call, eqn: Any, node: Node, invals: list[Any]) -> list[Any]:
     return store(bind(eqn, node, invals, dtype), node.outs, compute)
 
 
-def _float8(call: Call, eqn: Any, invals: list[Any]) -> list[Any]:
+def _float8(call: Call, eqn: Any, invals: list[Any], role: Any) -> list:
     """A matmul in float8: its operands are quantised from the dtypes they
-    are stored in (a float32 weight directly, not through 16 bits)."""
+    are stored in (a float32 weight directly, not through 16 bits);
+    ``role``: which operand is its weight (a :class:`._weights.Role`)."""
     lhs, rhs = invals
     with float8_forward_mode(), _compat.equation_context(eqn):
         return [
@@ -130,6 +131,7 @@ def _float8(call: Call, eqn: Any, invals: list[Any]) -> list[Any]:
                 eqn.params["dimension_numbers"],
                 call.config.float8,
                 out_sharding=eqn.params.get("out_sharding"),
+                weight=role.weight,
             )
         ]
 

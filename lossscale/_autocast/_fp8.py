@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -179,6 +179,10 @@ class Float8:
     )
     batched: bool = dataclasses.field(default=False, kw_only=True)
     multiple: int = dataclasses.field(default=16, kw_only=True)
+    params_argnums: int | tuple[int, ...] = dataclasses.field(
+        default=0, kw_only=True
+    )
+    exclude: tuple[str, ...] = dataclasses.field(default=(), kw_only=True)
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
@@ -212,24 +216,83 @@ class Float8:
                 f"multiple={self.multiple!r}."
             )
         object.__setattr__(self, "multiple", int(self.multiple))
+        argnums = self.params_argnums
+        many = argnums if isinstance(argnums, tuple) else (argnums,)
+        if not all(
+            isinstance(a, int | np.integer)
+            and not isinstance(a, bool)
+            and a >= 0
+            for a in many
+        ):
+            raise TypeError(
+                "params_argnums must be a non-negative int or a tuple of "
+                "them (() where no argument holds parameters: the weights "
+                f"are closed over), got params_argnums={argnums!r}."
+            )
+        exclude = self.exclude
+        if isinstance(exclude, str):
+            exclude = (exclude,)
+        try:
+            exclude = tuple(exclude)
+        except TypeError:
+            exclude = None
+        if exclude is None or not all(
+            isinstance(e, str) and e for e in exclude
+        ):
+            raise TypeError(
+                "exclude must be a non-empty name or a sequence of them "
+                f"(parts of a weight's path or scope), got exclude="
+                f"{self.exclude!r}."
+            )
+        object.__setattr__(self, "exclude", exclude)
+        object.__setattr__(
+            self,
+            "params_argnums",
+            tuple(int(a) for a in many)
+            if isinstance(argnums, tuple)
+            else int(argnums),
+        )
 
-    def ineligible(self, lhs: Any, rhs: Any, dims: Any) -> str | None:
+    def ineligible(
+        self, lhs: Any, rhs: Any, dims: Any, weight: int | None = None
+    ) -> str | None:
         """Why a matmul of these operand shapes and dimension numbers
         does not run in float8 by default (``None``: it does).
 
-        A matmul with batch dimensions (attention's scores and their
-        product with the values) stays in the 16-bit compute dtype unless
-        ``batched``, as TransformerEngine keeps attention out of float8;
-        one whose rows (M), columns (N) or contraction (K) are not
-        multiples of ``multiple`` too, as torchao skips such linear
-        layers (cuBLASLt pads them, which costs what float8 saves).
+        ``weight``: the position of its weight operand (0: lhs, 1: rhs),
+        as autocast finds it from the dataflow. A linear layer runs in
+        float8 where its weight's output features (N) and input features
+        (K) are multiples of ``multiple``, as torchao converts an
+        ``nn.Linear`` from its weight's shape alone: the rows (M) are the
+        batch, which XLA's GPU rewrite pads to a multiple of 16 itself
+        (``PadOperandToMultipleOf16`` in
+        ``xla/service/gpu/transforms/gemm_rewriter.cc``), so a per-example
+        gradient of one row runs in float8 too.
+
+        ``weight=None`` (an activation-by-activation matmul under
+        ``batched``): a matmul with batch dimensions (attention's scores
+        and their product with the values) stays in the 16-bit compute
+        dtype unless ``batched``, as TransformerEngine keeps attention out
+        of float8; one whose M, N or K are not multiples of ``multiple``
+        too.
         """
         (lc, rc), (lb, rb) = dims
+        k = math.prod(lhs[d] for d in lc)
+        if weight is not None:
+            shape, contract, batch = (
+                (lhs, lc, lb) if weight == 0 else (rhs, rc, rb)
+            )
+            n = _size(shape, (*contract, *batch))
+            if not all(_multiple(size, self.multiple) for size in (n, k)):
+                return (
+                    f"the weight's N={n}, K={k} not both multiples of "
+                    f"{self.multiple}"
+                )
+            return None
         if (lb or rb) and not self.batched:
             return "batch dimensions (attention)"
         m = _size(lhs, (*lc, *lb))
         n = _size(rhs, (*rc, *rb))
-        k = math.prod(lhs[d] for d in lc)
         if not all(_multiple(size, self.multiple) for size in (m, n, k)):
             return f"M={m}, N={n}, K={k} not all multiples of {self.multiple}"
         return None
@@ -277,6 +340,7 @@ def dot_general(
     config: Float8,
     *,
     out_sharding: Any = None,
+    weight: int = 1,
 ) -> jax.Array:
     """``lax.dot_general(lhs, rhs, dimension_numbers)`` in float8.
 
@@ -297,6 +361,10 @@ def dot_general(
       config: a :class:`Float8`.
       out_sharding: as ``lax.dot_general``'s (the equation's
         ``out_sharding`` param), for the forward matmul.
+      weight: which operand is the layer's weight, 0 (lhs: equinox's
+        ``weight @ x``) or 1 (rhs: ``x @ w``, flax's ``Dense``); only
+        ``"rowwise_with_gw_hp"`` reads it, whose weight gradient is
+        16-bit.
 
     Returns:
       The product, in ``config.compute_dtype``; its gradients with respect
@@ -328,14 +396,34 @@ def dot_general(
                 f"{name} must be a real floating-point array, got {name} of "
                 f"dtype {x.dtype}."
             )
-    dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+    if weight not in (0, 1) or isinstance(weight, bool):
+        raise ValueError(f"weight must be 0 or 1, got weight={weight!r}.")
     dims = _canonical(dimension_numbers)
     # Under shard_map, a replicated weight meeting a sharded activation is
     # made varying first, as lax.dot_general would (its cotangent is then
     # the psum of the per-device ones).
     varying = _compat.vma(lhs) | _compat.vma(rhs)
+    dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
     lhs, rhs = _compat.vary_over(lhs, varying), _compat.vary_over(rhs, varying)
-    return _fp8_dot(lhs, rhs, dims, config, out_sharding, dtypes)
+    if weight == 1 or config.recipe != "rowwise_with_gw_hp":
+        return _fp8_dot(lhs, rhs, dims, config, out_sharding, dtypes)
+    # The rule below keeps the rhs's gradient 16-bit: the weight is put
+    # there, and the product's axes (batch, weight free, lhs free) back in
+    # lhs's order. The other recipes treat both operands alike.
+    (lc, rc), (lb, rb) = dims
+    nb = len(lb)
+    w_free = np.ndim(lhs) - len(lc) - nb
+    x_free = np.ndim(rhs) - len(rc) - nb
+    back = (
+        *range(nb),
+        *range(nb + x_free, nb + x_free + w_free),
+        *range(nb, nb + x_free),
+    )
+    order = tuple(int(a) for a in np.argsort(back))
+    sharding = _compat.permuted_sharding(out_sharding, order)
+    swapped: Dims = ((rc, lc), (rb, lb))
+    out = _fp8_dot(rhs, lhs, swapped, config, sharding, dtypes[::-1])
+    return lax.transpose(cast(jax.Array, out), back)
 
 
 def _canonical(dimension_numbers: Any) -> Dims:
@@ -594,15 +682,33 @@ def _high_precision_cotangent(
     """rhs's cotangent from ``config.compute_dtype`` operands, accumulated
     in float32 and rounded to the compute dtype once, as a GPU's 16-bit
     GEMM does on every backend (with a bfloat16 result type, XLA:CPU on
-    jax 0.12 strayed past that rounding on the tests' shapes)."""
+    jax 0.12 strayed past that rounding on the tests' shapes).
+
+    On CPU the 16-bit operands are multiplied as float32 (their products
+    are exact in float32, so the result is the same): XLA:CPU runs some
+    16-bit dots with a float32 result outside its fast kernels, whose
+    ``DotThunk`` refuses them (``Unsupported element type for
+    DotThunk::Execute: BF16 x BF16 = F32``, jax 0.10.2, on the weight
+    gradient of ``einsum("mhd,hdn->mn")``, a flax ``DenseGeneral``)."""
     new_dims, unsorted, out_axes = _transpose(swapped, rhs.ndim, lhs.ndim, True)
     dtype = config.compute_dtype
-    out = lax.dot_general(
-        g.astype(dtype),
-        lhs.astype(dtype),
-        new_dims,
-        preferred_element_type=F32,
-        out_sharding=_compat.transpose_out_sharding(rhs, unsorted),
+    sharding = _compat.transpose_out_sharding(rhs, unsorted)
+
+    def dot(wide: bool) -> jax.Array:
+        a, b = g.astype(dtype), lhs.astype(dtype)
+        if wide:
+            a, b = a.astype(F32), b.astype(F32)
+        return lax.dot_general(
+            a,
+            b,
+            new_dims,
+            precision=lax.Precision.HIGHEST if wide else None,
+            preferred_element_type=F32,
+            out_sharding=sharding,
+        )
+
+    out = lax.platform_dependent(
+        cpu=lambda: dot(True), default=lambda: dot(False)
     )
     return lax.transpose(out.astype(dtype), out_axes).astype(rhs.dtype)
 

@@ -48,7 +48,7 @@ import jax
 import numpy as np
 
 from lossscale import _compat
-from lossscale._autocast import _islands
+from lossscale._autocast import _islands, _weights
 from lossscale._autocast import _rules as R
 from lossscale._autocast._classes import (
     Cls,
@@ -61,7 +61,16 @@ from lossscale._autocast._classes import (
 from lossscale._autocast._config import Config, JaxprCache
 
 FLOAT32_SCOPE = "lossscale_float32"
-_SCOPE_RE = re.compile(r"(?:^|[/(])" + FLOAT32_SCOPE + r"(?:$|[/)])")
+COMPUTE_SCOPE = "lossscale_compute"
+
+
+def _scope_re(name: str) -> re.Pattern[str]:
+    """A named scope in a name stack, under any transformation."""
+    return re.compile(r"(?:^|[/(])" + name + r"(?:$|[/)])")
+
+
+_SCOPE_RE = _scope_re(FLOAT32_SCOPE)
+_COMPUTE_RE = _scope_re(COMPUTE_SCOPE)
 # Constants larger than this are not computed at trace time.
 FOLD_SIZE = 4096
 _NAMED = _compat.primitives_named(["convert_element_type", "mul", "div"])
@@ -94,7 +103,8 @@ class Node(NamedTuple):
     stored in. ``reads32``: per operand, whether the equation reads it in
     float32. ``remat``: its derivative is recomputed from its operands.
     ``data``: a higher-order equation's plans (:mod:`._higher`); for a
-    matmul kept out of float8, why.
+    float8 matmul, its :class:`._weights.Role`; for a matmul kept out of
+    float8, why.
     """
 
     mode: Mode
@@ -121,6 +131,8 @@ class Plan(NamedTuple):
     functions: frozenset[str] = frozenset()
     # The equations of islands bound before their checkpoint.
     outside: frozenset[Any] = frozenset()
+    # Under a float8 recipe, what the dataflow says each matmul is.
+    roles: Mapping[Any, _weights.Role] = {}
 
 
 # --- the table of higher-order primitives ----------------------------------
@@ -269,6 +281,9 @@ def infer(
             its traced dtypes, with every equation it depends on (a
             loop's stopping decision).
     """
+    # Under a float8 recipe, what its inputs are computed from (the
+    # parameters, the data) decides which matmuls are linear layers.
+    sources = None if config.float8 is None else _weights.reached_with(jaxpr)
     key = (
         config,
         tuple(c.cls for c in consts),
@@ -276,12 +291,20 @@ def infer(
         tuple(only32),
         tuple(demanded),
         tuple(as_traced),
+        sources,
     )
     return _PLANS.get(
         jaxpr,
         key,
         lambda: _plan(
-            config, jaxpr, consts, tuple(ins), only32, demanded, as_traced
+            config,
+            jaxpr,
+            consts,
+            tuple(ins),
+            only32,
+            demanded,
+            as_traced,
+            sources,
         ),
     )
 
@@ -289,9 +312,15 @@ def infer(
 class _Planning:
     """What one plan's making collects: the overrides it applied."""
 
-    def __init__(self, config: Config, facts: JaxprFacts) -> None:
+    def __init__(
+        self,
+        config: Config,
+        facts: JaxprFacts,
+        roles: Mapping[Any, _weights.Role],
+    ) -> None:
         self.config = config
         self.facts = facts
+        self.roles = roles  # each matmul's, under a float8 recipe
         self.used: set[tuple[str, str]] = set()
         self.as_traced: frozenset[Any] = frozenset()
 
@@ -330,9 +359,11 @@ def _plan(
     out_only32: Sequence[bool],
     out_demanded: Sequence[bool],
     as_traced: Sequence[bool],
+    sources: tuple[_weights.Source, ...] | None,
 ) -> Plan:
     jf = facts(jaxpr)
-    planning = _Planning(config, jf)
+    roles = {} if sources is None else _weights.roles(jaxpr, sources)
+    planning = _Planning(config, jf, roles)
     if any(as_traced):
         planning.as_traced = jf.cone(as_traced)
     rounds = _Rounds(planning, jaxpr, consts, ins, out_only32, out_demanded)
@@ -587,6 +618,7 @@ def _finish(
         frozenset(used),
         frozenset(functions),
         outside,
+        planning.roles,
     )
 
 
@@ -812,6 +844,8 @@ class KindArgs(NamedTuple):
     compute: np.dtype
     float8: Any
     facts: EqnFacts
+    role: _weights.Role | None  # a matmul's, under a float8 recipe
+    used: set[tuple[str, str]]  # the overrides the plan applied
 
     def result(
         self, mode: Mode, cls: Cls, remat: bool = False
@@ -850,25 +884,80 @@ def _wide_result(eqn: Any) -> bool:
     return bool(widths) and np.dtype(wanted).itemsize > max(widths)
 
 
-def float8_ineligible(eqn: Any, float8: Any) -> str | None:
+def excluded_by(eqn: Any, float8: Any, role: _weights.Role | None) -> str:
+    """The first of ``float8.exclude`` that is part of the matmul's weight
+    path or of its named scopes (``""``: none)."""
+    if not float8.exclude:
+        return ""
+    names = [_compat.name_stack(eqn)]
+    if role is not None and role.weight is not None:
+        names.extend(role.leaves)
+    for pattern in float8.exclude:
+        if any(pattern in name for name in names):
+            return pattern
+    return ""
+
+
+def float8_ineligible(
+    eqn: Any, float8: Any, role: _weights.Role | None = None
+) -> str | None:
     """Why a ``dot_general`` of the float8 kind runs in the 16-bit
-    compute dtype instead (``None``: it runs in float8)."""
+    compute dtype instead (``None``: it runs in float8). ``role``: what
+    the dataflow says it is (``None``: not known, and the weight is taken
+    to be the rhs)."""
     if not all(is_float(v.aval.dtype) for v in eqn.invars):
         return "an operand that is not floating point"
     if _compat.explicit_precision(eqn):
         return "precision above DEFAULT"
     if _wide_result(eqn):
         return "a preferred_element_type wider than its operands"
+    if _COMPUTE_RE.search(_compat.name_stack(eqn)):
+        return "compute_scope"
+    pattern = excluded_by(eqn, float8, role)
+    if pattern:
+        return f"Float8(exclude=...): {pattern!r}"
+    weight = None
+    if role is not None:
+        weight = role.weight
+        both = role.reason == "both" and float8.batched
+        if weight is None and not both:
+            return _weights.REASONS[str(role.reason)]
     lhs, rhs = (v.aval.shape for v in eqn.invars)
-    return float8.ineligible(lhs, rhs, eqn.params["dimension_numbers"])
+    return float8.ineligible(
+        lhs, rhs, eqn.params["dimension_numbers"], weight=weight
+    )
+
+
+_GRADIENT_TRACED = (
+    "lossscale.autocast with a Float8 recipe traced a gradient's matmul "
+    "(autocast(jax.grad(f), Float8(...)), or a jax.grad inside the "
+    "function): it would run as a forward matmul, e4m3 x e4m3, without "
+    "the recipe's backward formats (the e5m2 output gradient, "
+    "rowwise_with_gw_hp's 16-bit weight gradient). Differentiate the "
+    "autocast function instead: jax.grad(lossscale.autocast(f, "
+    "lossscale.Float8(...))); or keep its matmuls 16-bit: "
+    "rules={'dot_general': 'compute'}."
+)
+_TRANSPOSED = re.compile(r"(?:^|[/(])transpose\(")
 
 
 def _float8(a: KindArgs) -> tuple[Node, list[Info]]:
-    reason = float8_ineligible(a.eqn, a.float8)
+    if _TRANSPOSED.search(_compat.name_stack(a.eqn)):
+        # Whether it would run in float8 or not: its format would not be
+        # the recipe's backward one either way.
+        raise TypeError(_GRADIENT_TRACED)
+    pattern = excluded_by(a.eqn, a.float8, a.role)
+    if pattern:
+        a.used.add(("exclude", pattern))
+    reason = float8_ineligible(a.eqn, a.float8, a.role)
     if reason is not None:
         node, outs = _matmul(a)
         return node._replace(data=reason), outs
-    return a.result(Mode.FLOAT8, Cls.LOW)
+    node, outs = a.result(Mode.FLOAT8, Cls.LOW)
+    role = a.role
+    if role is None or role.weight is None:  # by position: x @ w
+        role = _weights.Role(1)
+    return node._replace(data=role), outs
 
 
 def _bounded(a: KindArgs) -> tuple[Node, list[Info]]:
@@ -980,6 +1069,8 @@ def _forward(
         compute,
         config.float8,
         ef,
+        planning.roles.get(eqn),
+        planning.used,
     )
     return KINDS[record.kind](args)
 
@@ -1008,3 +1099,20 @@ def _convert(
         out = Cls.KEEP
     node = Node(Mode.CONVERT, (info.cls,), (out,), (False,))
     return node, [Info(out, value)]
+
+
+def float8_summary(plan: Plan) -> tuple[int, list[str]]:
+    """How many float8 matmuls a plan runs (its sub-plans' included), and
+    why each matmul of the float8 kind it keeps 16-bit does."""
+    count, reasons = 0, []
+    for node in plan.nodes.values():
+        if node.mode is Mode.FLOAT8:
+            count += 1
+        elif node.mode is Mode.HIGHER:
+            for sub in node.data.plans:
+                n, why = float8_summary(sub)
+                count += n
+                reasons.extend(why)
+        elif isinstance(node.data, str):
+            reasons.append(node.data)
+    return count, reasons

@@ -24,6 +24,12 @@ class Matmul(NamedTuple):
         why: why that dtype, in words.
         where: the named scopes (and jitted functions) it was traced in.
         line: the line of the user's code that made it (``file:line``).
+        weight: under a :class:`lossscale.Float8` recipe, the path of the
+            parameter its weight operand is computed from, in the
+            arguments ``params_argnums`` names (``"head.kernel"`` in an
+            NNX model, ``"['w1']"`` in a dict; several joined by ``", "``),
+            ``"<constant>"`` for a weight the function closes over, and
+            ``""`` for a matmul that is not a linear layer.
     """
 
     primitive: str
@@ -32,6 +38,7 @@ class Matmul(NamedTuple):
     why: str
     where: str
     line: str
+    weight: str = ""
 
 
 def matmuls(fun: Any, *args: Any, **kwargs: Any) -> list[Matmul]:
@@ -40,8 +47,10 @@ def matmuls(fun: Any, *args: Any, **kwargs: Any) -> list[Matmul]:
     Traces ``fun`` (nothing runs) and lists, in program order, every
     matmul and convolution of the forward pass with the dtype autocast
     runs it in and why: with a :class:`lossscale.Float8` recipe, which ones
-    go float8 and which stay 16-bit (attention's batched matmuls, sizes
-    that are not multiples of 16, a rule, ``float32_scope``). The backward
+    go float8 and which stay 16-bit (a matmul that is not a linear layer,
+    such as attention's, a weight whose sizes are not multiples of 16, a
+    rule, ``float32_scope``), and the parameter each linear layer's weight
+    comes from (:attr:`Matmul.weight`). The backward
     pass of each runs in the same format (float8: an ``e5m2`` gradient by
     an ``e4m3`` operand). A matmul inside a loop or a function called
     several times is listed once per place in the program.
@@ -68,17 +77,19 @@ def matmuls(fun: Any, *args: Any, **kwargs: Any) -> list[Matmul]:
         [('float8_e4m3fn', 'float8')]
         >>> [(m.dtype, m.why) for m in lossscale.matmuls(
         ...     f, jnp.ones((30, 16)), jnp.ones((64, 30)))]
-        [('bfloat16', 'M=64, N=16, K=30 not all multiples of 16')]
+        [('bfloat16', "the weight's N=16, K=30 not both multiples of 16")]
     """
     if not isinstance(fun, _eager.Autocast):
         raise TypeError(
             "fun must be a function returned by lossscale.autocast, got "
             f"fun={fun!r}."
         )
-    traced = _run.trace(
-        fun._config, fun._out_dtype, fun.__wrapped__, args, kwargs
-    )
-    return list(_walk(traced.plan, _Place(fun._config)))
+    config = fun._config
+    traced = _run.trace(config, fun._out_dtype, fun.__wrapped__, args, kwargs)
+    # A rule or filter that matches nothing warns here too: this is where
+    # a rule is checked before training.
+    _run.warn_unused(config, traced.plan.used, traced.plan.functions, set())
+    return list(_walk(traced.plan, _Place(config)))
 
 
 class _Place(NamedTuple):
@@ -110,7 +121,16 @@ def _walk(plan: Any, place: _Place) -> Iterator[Matmul]:
                 _dtype(eqn, node, place.config),
                 _why(eqn, node, place),
                 place,
+                _weight(plan.roles.get(eqn)),
             )
+
+
+def _weight(role: Any) -> str:
+    if role is None or role.weight is None:
+        return ""
+    if not role.leaves:
+        return "<constant>"
+    return ", ".join(sorted(role.leaves))
 
 
 def _inside(eqn: Any, place: _Place) -> _Place:
@@ -139,7 +159,9 @@ def _as_traced(eqn: Any, why: str, place: _Place) -> Iterator[Matmul]:
                 yield _matmul(inner, dtype, why, place)
 
 
-def _matmul(eqn: Any, dtype: str, why: str, place: _Place) -> Matmul:
+def _matmul(
+    eqn: Any, dtype: str, why: str, place: _Place, weight: str = ""
+) -> Matmul:
     return Matmul(
         eqn.primitive.name,
         tuple(tuple(v.aval.shape) for v in eqn.invars),
@@ -147,6 +169,7 @@ def _matmul(eqn: Any, dtype: str, why: str, place: _Place) -> Matmul:
         why,
         _join(place.where, _compat.name_stack(eqn)),
         _compat.source_line(eqn),
+        weight,
     )
 
 

@@ -9,6 +9,8 @@ updated in place.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
@@ -18,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale import _compat, _interop
-from lossscale._autocast import _emit, _higher, _infer
+from lossscale._autocast import _emit, _higher, _infer, _weights
 from lossscale._autocast._cast import cast as cast_to
 from lossscale._autocast._cast import dtype_of, store
 from lossscale._autocast._classes import F32_DTYPE, Cls, is_float
@@ -36,6 +38,9 @@ class Result(NamedTuple):
     # Whether the function read device arrays it closes over (a model's
     # weights, a global): a program compiled from this trace holds them.
     captures: bool = False
+    # Under a float8 recipe: how many float8 matmuls the program runs, and
+    # why the others of the float8 kind stay 16-bit.
+    float8: tuple[int, tuple[str, ...]] = (0, ())
 
 
 def is_array(x: Any) -> bool:
@@ -121,17 +126,97 @@ def trace(
     # the last elementwise operations before them run in float32 too.
     wide = out_dtype is None or out_dtype.itemsize >= 4
     n = len(jaxpr.outvars)
-    plan = _infer.infer(
-        config,
-        jaxpr,
-        _higher.closed_consts(config, closed),
-        [input_class(x, config.compute) for x in arrays],
-        [wide] * n,
-        [wide] * n,
-    )
+    analysed = contextlib.nullcontext()
+    if config.float8 is not None:
+        names = param_names(fun, config.float8, args, kwargs, dynamic)
+        sources = input_sources(config.float8, args, kwargs, dynamic, names)
+        consts = [_weights.PARAM] * len(jaxpr.constvars)
+        analysed = _weights.analysed(jaxpr, [*consts, *sources])
+    with analysed:
+        plan = _infer.infer(
+            config,
+            jaxpr,
+            _higher.closed_consts(config, closed),
+            [input_class(x, config.compute) for x in arrays],
+            [wide] * n,
+            [wide] * n,
+        )
     return Traced(
         closed, plan, arrays, out_shape, holders, dynamic, record["changed"]
     )
+
+
+def input_sources(
+    float8: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    dynamic: list,
+    names: list[str],
+) -> list[_weights.Source]:
+    """What each array argument is to a float8 recipe: a parameter (in
+    the positional arguments ``float8.params_argnums`` names; with its
+    path in ``names``), integer data, or data."""
+    argnums = float8.params_argnums
+    argnums = set(argnums if isinstance(argnums, tuple) else (argnums,))
+    if argnums and max(argnums) >= len(args):
+        raise ValueError(
+            f"params_argnums={float8.params_argnums!r} of the Float8 recipe "
+            f"names an argument the call does not have ({len(args)} "
+            "positional arguments): it names the arguments that hold the "
+            "parameters, as jax.grad's argnums does."
+        )
+    paths = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
+    sources = []
+    for j, i in enumerate(dynamic):
+        path, leaf = paths[i]
+        positional = getattr(path[0], "idx", None) == 0
+        if positional and getattr(path[1], "idx", None) in argnums:
+            sources.append(
+                _weights.Source(_weights.Src.PARAM, frozenset([names[j]]))
+            )
+        elif is_float(dtype_of(leaf)):
+            sources.append(_weights.DATA)
+        else:
+            sources.append(_weights.INDEX)
+    return sources
+
+
+def param_names(
+    fun: Callable[..., Any],
+    float8: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    dynamic: list,
+) -> list[str]:
+    """Each array argument's path, as :class:`lossscale.Matmul` names a
+    weight: inside its argument, dotted (``"head.kernel"``), after the
+    argument's name where ``params_argnums`` names several, or where the
+    argument is the array itself (``"w"``)."""
+    argnums = float8.params_argnums
+    several = isinstance(argnums, tuple) and len(argnums) > 1
+    try:
+        arg_names = list(inspect.signature(fun).parameters)
+    except (TypeError, ValueError):  # a builtin, a C extension
+        arg_names = []
+    paths = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
+    names = []
+    for i in dynamic:
+        path = paths[i][0]
+        index = getattr(path[1], "idx", None)
+        arg = f"args[{index}]"
+        if isinstance(index, int) and index < len(arg_names):
+            arg = arg_names[index]
+        inner = jax.tree_util.keystr(
+            tuple(path[2:]), simple=True, separator="."
+        )
+        # A flax NNX Variable holds its array in "value": the parameter is
+        # the Variable ("head.kernel").
+        inner = inner.removesuffix(".value") if inner != "value" else inner
+        if not inner:
+            names.append(arg)
+        else:
+            names.append(f"{arg}.{inner}" if several else inner)
+    return names
 
 
 def call(
@@ -173,12 +258,14 @@ def call(
         isinstance(c, jax.Array) and not _compat.is_tracer(c)
         for c in t.closed.consts
     )
+    count, reasons = _infer.float8_summary(t.plan)
     return Result(
         value,
         t.plan.used,
         t.plan.functions,
         _donated(jaxpr, results),
         captures,
+        (count, tuple(reasons)),
     )
 
 
@@ -235,6 +322,16 @@ def warn_unused(
                 "rules only)."
             )
         warned.add((kind, name))
+        if kind == "exclude":
+            warnings.warn(
+                f"lossscale.autocast: Float8(exclude=...) entry {name!r} is "
+                "part of no matmul's weight path or named scope (a typo? "
+                "lossscale.matmuls lists each matmul's weight path and "
+                "scopes).",
+                UserWarning,
+                stacklevel=4,
+            )
+            continue
         where = "rules" if kind == "primitive" else "function_rules"
         warnings.warn(
             f"lossscale.autocast: {where}[{name!r}] matches no "
@@ -244,3 +341,29 @@ def warn_unused(
             UserWarning,
             stacklevel=4,
         )
+
+
+def warn_no_float8(
+    config: Config, summary: tuple[int, tuple[str, ...]], warned: set
+) -> None:
+    """Warns, once, that a float8 recipe ran no float8 matmul, and why."""
+    count, reasons = summary
+    if config.float8 is None or count or ("float8", "none") in warned:
+        return
+    if dict(config.rules).get("dot_general", "float8") != "float8":
+        return  # the user's rule keeps the matmuls out
+    warned.add(("float8", "none"))
+    if reasons:
+        tally: dict[str, int] = {}
+        for reason in reasons:
+            tally[reason] = tally.get(reason, 0) + 1
+        why = "; ".join(f"{r} ({n}x)" for r, n in tally.items())
+        why = f"its {len(reasons)} matmuls stayed 16-bit: {why}"
+    else:
+        why = "it has no matmul that a float8 recipe runs (dot_general)"
+    warnings.warn(
+        f"lossscale.autocast with {config.float8!r} ran no float8 matmul: "
+        f"{why}. lossscale.matmuls lists each matmul and why.",
+        UserWarning,
+        stacklevel=4,
+    )
