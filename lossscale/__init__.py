@@ -13,6 +13,8 @@ from lossscale._autocast import FUNCTION_RULES as AUTOCAST_FUNCTION_RULES
 from lossscale._autocast import PRIMITIVE_RULES as AUTOCAST_RULES
 from lossscale._autocast import (
     Float8,
+    Float8Cast,
+    Float8Recipe,
     Matmul,
     autocast,
     compute_scope,
@@ -62,6 +64,8 @@ __all__ = (
     "Diagnosis",
     "DynamicLossScale",
     "Float8",
+    "Float8Cast",
+    "Float8Recipe",
     "LossScale",
     "LossScaledState",
     "Matmul",

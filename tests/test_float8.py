@@ -108,15 +108,31 @@ def grad_jaxpr(fun, *args, argnums=0):
     return jax.make_jaxpr(jax.grad(fun, argnums))(*args)
 
 
-def assert_two_float8_layers(fun, *args, backward=4):
+def fp8_expected(recipe, layers):
+    """:func:`fp8_counts` of the gradient of ``layers`` float8 layers under
+    ``recipe``, read from its row: a forward GEMM each, and each backward
+    GEMM the recipe runs in float8 (``"backward"`` where an operand is
+    ``e5m2``; the row-wise recipes' ``e4m3`` gradients count as
+    ``"forward"``); none for a GEMM in the compute dtype (gw_hp's weight
+    gradient)."""
+    row = lossscale.Float8(recipe).row
+    counts = collections.Counter(forward=layers)
+    for g, y in (
+        (row.grad_output, row.weight_for_grad_input),
+        (row.grad_output_for_grad_weight, row.input_for_grad_weight),
+    ):
+        if g.dtype is not None:
+            kind = (
+                "backward" if np.dtype(E5) in (g.dtype, y.dtype) else "forward"
+            )
+            counts[kind] += layers
+    return dict(counts)
+
+
+def assert_two_float8_layers(fun, *args, recipe="tensorwise"):
     """Both of the MLP's layers run in float8 in ``fun``'s gradient (else a
-    test of values could pass without float8): two float8 matmuls in each
-    layer's backward pass (``backward=2`` under ``rowwise_with_gw_hp``,
-    whose weight gradient is 16-bit)."""
-    assert fp8_counts(grad_jaxpr(fun, *args)) == {
-        "forward": 2,
-        "backward": backward,
-    }
+    test of values could pass without float8), in ``recipe``'s formats."""
+    assert fp8_counts(grad_jaxpr(fun, *args)) == fp8_expected(recipe, 2)
 
 
 # The checks below run in numpy: each JAX operation run eagerly on a new
@@ -229,8 +245,9 @@ def test_gradient_jaxpr_float8_where_eligible_16_bit_elsewhere(recipe):
     counts = fp8_counts(jaxpr)
     # Two linear layers: each one e4m3 x e4m3 forward matmul accumulating
     # in float32, and two backward ones (its operands' cotangents), each an
-    # e5m2 cotangent by an e4m3 operand; no e5m2 x e5m2, no other pairing.
-    assert counts == {"forward": 2, "backward": 4}
+    # e5m2 cotangent by an e4m3 operand (tensorwise) or e4m3 by e4m3
+    # (rowwise); no e5m2 x e5m2, no other pairing.
+    assert counts == fp8_expected(recipe, 2)
     assert ((E5, E5), "float32") not in found
     # Everything else keeps autocast's 16-bit rule, forward and backward:
     # attention's einsums (two forward, four backward) and the layer 24
@@ -256,7 +273,7 @@ def test_gradient_jaxpr_float8_where_eligible_16_bit_elsewhere(recipe):
     report = lossscale.matmuls(f, params, x)
     assert [(m.dtype, m.why) for m in report] == ZOO_REPORT
     n_float8 = sum(m.dtype == E4 for m in report)
-    assert n_float8 == counts["forward"] == counts["backward"] // 2
+    assert fp8_expected(recipe, n_float8) == counts
 
 
 def test_gradient_jaxpr_without_float8_is_all_16_bit():
@@ -450,7 +467,7 @@ def test_inf_or_nan_in_input_or_target_gives_non_finite_gradients(recipe):
     params, (x, y) = mlp_params(), batch()
     grad = functools.partial(fp8_grad, recipe)
     f = lossscale.autocast(mse, lossscale.Float8(recipe))
-    assert_two_float8_layers(f, params, x, y)
+    assert_two_float8_layers(f, params, x, y, recipe=recipe)
 
     def reference(*args):
         return float32_value_and_grad(*args)[1]
@@ -625,8 +642,7 @@ def test_power_of_two_loss_scale_leaves_the_float8_gradients_bitwise(recipe):
     # changes them.
     f = lossscale.autocast(mse, lossscale.Float8(recipe))
     params, (x, y) = mlp_params(), batch()
-    gw_hp = recipe == "rowwise_with_gw_hp"
-    assert_two_float8_layers(f, params, x, y, backward=2 if gw_hp else 4)
+    assert_two_float8_layers(f, params, x, y, recipe=recipe)
     powers = (-60, -30, 12, 30, 60)
     scales = {
         "none": lossscale.NoOpLossScale(),
@@ -977,7 +993,7 @@ def test_explicit_mesh_batch_and_model_parallel_weights(recipe):
         params = {name: place(w, specs[name]) for name, w in params.items()}
         x, y = place((x, y), P("data", None))
         f = lossscale.autocast(model_parallel_mse, lossscale.Float8(recipe))
-        assert_two_float8_layers(f, params, x, y)
+        assert_two_float8_layers(f, params, x, y, recipe=recipe)
         grads = jax.jit(jax.grad(f))(params, x, y)
     for name, g in grads.items():
         assert _compat.spec(g) == _compat.spec(params[name])

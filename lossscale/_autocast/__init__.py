@@ -50,7 +50,9 @@ from lossscale._autocast._api import (
     compute_scope,
     float32_scope,
 )
+from lossscale._autocast._fp8 import Cast as Float8Cast
 from lossscale._autocast._fp8 import Float8
+from lossscale._autocast._fp8 import Recipe as Float8Recipe
 from lossscale._autocast._report import Matmul, matmuls
 from lossscale._autocast._rules import FUNCTION_RULES, PRIMITIVE_RULES
 
@@ -58,6 +60,8 @@ __all__ = [
     "FUNCTION_RULES",
     "PRIMITIVE_RULES",
     "Float8",
+    "Float8Cast",
+    "Float8Recipe",
     "Matmul",
     "autocast",
     "check_compute_dtype",

@@ -15,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
-from typing import Any, cast
+import types
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,9 @@ __all__ = [
     "EPS",
     "MAX_SCALE",
     "RECIPES",
+    "Cast",
     "Float8",
+    "Recipe",
     "dot_general",
     "round_down_to_power_of_two",
 ]
@@ -51,13 +54,76 @@ _MAX = {E4M3: 448.0, E5M2: 57344.0}
 EPS = float(np.finfo(np.float32).tiny)
 MAX_SCALE = float(np.finfo(np.float32).max)
 
-RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-# torchao's Float8LinearConfig.from_recipe_name: round_scales_to_power_of_2.
-_POWER_OF_TWO_DEFAULT = {
-    "tensorwise": False,
-    "rowwise": True,
-    "rowwise_with_gw_hp": True,
-}
+
+class Cast(NamedTuple):
+    """How one operand of one of a linear layer's three GEMMs is cast:
+    torchao's ``CastConfig``.
+
+    Attributes:
+      dtype: ``float8_e4m3fn`` or ``float8_e5m2``, or ``None``: the 16-bit
+        compute dtype, unscaled (torchao's ``ScalingType.DISABLED``).
+      rowwise: one scale per row, along the axes this GEMM contracts
+        (torchao's ``AXISWISE``), else one per tensor.
+    """
+
+    dtype: np.dtype | None
+    rowwise: bool = False
+
+
+class Recipe(NamedTuple):
+    """A float8 recipe, as data: how each operand of each of a linear
+    layer's GEMMs is cast, in the shape of torchao's ``Float8LinearConfig``
+    (its ``cast_config_*`` fields). With ``y = x @ w``:
+
+    - ``y = input @ weight`` (the forward GEMM);
+    - ``dx = grad_output @ weight_for_grad_input.T``;
+    - ``dw = input_for_grad_weight.T @ grad_output_for_grad_weight``.
+
+    Each GEMM accumulates in float32. A GEMM's two operands are both
+    float8 or both in the compute dtype. An operand whose backward cast is
+    its forward one, per tensor, is kept quantised for the backward pass
+    (one byte an element); otherwise the operand is kept as it came and
+    cast again. ``power_of_two_scales`` is the recipe's default for
+    :attr:`Float8.power_of_two_scales`.
+    """
+
+    input: Cast
+    weight: Cast
+    grad_output: Cast
+    weight_for_grad_input: Cast
+    input_for_grad_weight: Cast
+    grad_output_for_grad_weight: Cast
+    power_of_two_scales: bool = False
+
+    @property
+    def symmetric(self) -> bool:
+        """Whether swapping the input and the weight gives the same
+        numbers (then which operand is the weight does not matter)."""
+        return (
+            self.input == self.weight
+            and self.weight_for_grad_input == self.input_for_grad_weight
+            and self.grad_output == self.grad_output_for_grad_weight
+        )
+
+
+_E4, _E4_ROWS = Cast(E4M3), Cast(E4M3, rowwise=True)
+_HIGH = Cast(None)
+
+RECIPES: Mapping[str, Recipe] = types.MappingProxyType(
+    {
+        # torchao/float8/config.py, Float8LinearConfig.from_recipe_name
+        # (its default config for "tensorwise": e5m2 output gradients,
+        # TransformerEngine's HYBRID format).
+        "tensorwise": Recipe(_E4, _E4, Cast(E5M2), _E4, _E4, Cast(E5M2), False),
+        "rowwise": Recipe(
+            _E4_ROWS, _E4_ROWS, _E4_ROWS, _E4_ROWS, _E4_ROWS, _E4_ROWS, True
+        ),
+        "rowwise_with_gw_hp": Recipe(
+            _E4_ROWS, _E4_ROWS, _E4_ROWS, _E4, _HIGH, _HIGH, True
+        ),
+    }
+)
+"""The named recipes, one row each (torchao's names and casts)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,30 +151,36 @@ class Float8:
     ``preferred_element_type=float32`` ("direct" quantisation, which XLA
     rewrites into a cuBLASLt float8 GEMM on GPUs of compute capability 8.9
     and newer); its result is multiplied by the inverse scales and cast to
-    ``compute_dtype``. Forward operands are ``float8_e4m3fn`` (max 448);
-    the backward pass quantises the output gradient to ``float8_e5m2``
-    (max 57344) and multiplies it by an ``e4m3`` operand (the "HYBRID"
-    format; cuBLASLt has no ``e5m2 x e5m2`` GEMM). Gradients come back in
-    their operands' dtypes.
+    ``compute_dtype``. Gradients come back in their operands' dtypes.
 
-    Recipes (torchao's names):
+    A recipe is a row of :data:`RECIPES` (a :class:`Recipe`, exported as
+    ``lossscale.Float8Recipe``): for each operand of each of a linear
+    layer's three GEMMs (the forward product, the input's gradient, the
+    weight's gradient), its dtype and whether it is scaled per tensor or
+    per row, in the shape of torchao's ``CastConfig``s. The named ones
+    are torchao's (``Float8LinearConfig.from_recipe_name``):
 
-    - ``"tensorwise"``: one scale per tensor. The backward pass reuses the
-      forward's ``e4m3`` operands (one byte per element is all it keeps).
-    - ``"rowwise"``: one scale per row of the lhs and per column of the rhs
-      (per position of the operand's non-contracting and batch dimensions:
-      the amax is taken over the contracting dimensions of that matmul),
-      still one float8 matmul, whose output is multiplied by the outer
-      product of the inverse scales. Each backward matmul contracts other
-      dimensions, so it quantises its operands again, along its own
-      contracting dimensions, from the operands kept in their own dtype.
-    - ``"rowwise_with_gw_hp"``: as ``"rowwise"``, except that the lhs
-      gradient's rhs is scaled per tensor, and that the **rhs gradient is
-      computed in** ``compute_dtype`` (no float8; as autocast's 16-bit
-      matmuls, whose GEMMs accumulate in float32 on GPUs). By
-      convention the rhs is the weight, as in ``x @ w`` and flax's
-      ``Linear`` (``dot_general(inputs, kernel, ...)``): this keeps the
-      weight gradient accurate.
+    - ``"tensorwise"``: one scale per tensor; ``e4m3`` operands forward,
+      and backward the output gradient in ``float8_e5m2`` (max 57344) by
+      an ``e4m3`` operand (the "HYBRID" format; TransformerEngine's
+      ``Float8CurrentScaling``). The backward pass reuses the forward's
+      ``e4m3`` operands (one byte per element is all it keeps).
+    - ``"rowwise"``: one scale per row of each operand of each GEMM, along
+      the axes that GEMM contracts, all ``e4m3`` (the output gradient too:
+      with a scale per row it has the range it needs), scales rounded
+      down to powers of two. Each backward GEMM contracts other axes, so
+      it quantises its operands again from the operands kept in their
+      own dtype.
+    - ``"rowwise_with_gw_hp"``: as ``"rowwise"``, except that the input
+      gradient's weight is scaled per tensor, and that the **weight
+      gradient is computed in** ``compute_dtype`` (no float8; as
+      autocast's 16-bit matmuls, whose GEMMs accumulate in float32 on
+      GPUs).
+
+    Under :func:`lossscale.autocast` the weight is the operand computed
+    from the parameters (:attr:`params_argnums`), whichever side of the
+    matmul it is on; called directly, :func:`dot_general` takes it as an
+    argument (the rhs by default, as in ``x @ w``).
 
     A non-finite value is never hidden: an inf or NaN in an operand (or in
     the output gradient) makes its amax inf or NaN, its scale 0 or NaN,
@@ -127,25 +199,40 @@ class Float8:
     - TransformerEngine's ``Float8CurrentScaling`` recipe (``HYBRID``
       format) is ``Float8("tensorwise")``;
     - torchao's ``Float8LinearConfig.from_recipe_name(name)`` is
-      ``Float8(name)`` with the same ``power_of_two_scales`` default, except
-      that torchao's row-wise recipes quantise the output gradient to
-      ``e4m3``, and this one to ``e5m2`` for every recipe;
+      ``Float8(name)``, with the same casts and ``power_of_two_scales``
+      default; its ``module_filter_fn`` is :attr:`exclude` (or
+      :func:`lossscale.compute_scope`);
     - flax's ``Fp8DotGeneral`` (``flax.linen.fp8_ops``) uses *delayed*
       scaling: scales from an amax history kept as state and passed through
       the gradients. There is no such state here.
 
     Args:
-      recipe: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"``.
+      recipe: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"``,
+        or a :class:`Recipe` of your own (one row: a new recipe is one).
       compute_dtype: the dtype of the forward result (``jnp.bfloat16`` or
         ``jnp.float16``, or their names); under :func:`lossscale.autocast`,
         the 16-bit dtype of everything that is not a float8 matmul.
       power_of_two_scales: round every scale down to a power of two (so
         that scaling is exact). By default, as torchao's recipe: ``False``
         for ``"tensorwise"``, ``True`` for the row-wise ones.
-      batched: under :func:`lossscale.autocast`, run matmuls with batch
-        dimensions (attention's) in float8 too (default ``False``).
+      batched: under :func:`lossscale.autocast`, run the matmuls whose
+        operands both depend on the data (attention's) in float8 too
+        (default ``False``).
       multiple: under :func:`lossscale.autocast`, run in float8 only the
-        matmuls whose M, N and K are multiples of this (default 16).
+        linear layers whose weight's N and K are multiples of this
+        (default 16; M too for an activation-by-activation matmul under
+        ``batched``).
+      params_argnums: under :func:`lossscale.autocast`, the positional
+        arguments that hold the parameters, as ``jax.grad``'s ``argnums``
+        (default 0, the first); a matmul's operand computed from them (or
+        from constants) alone is its weight. ``()``: none, the weights are
+        closed over.
+      exclude: under :func:`lossscale.autocast`, names (or one name) that
+        keep a matmul in the 16-bit ``compute_dtype`` when its weight's
+        path (as :attr:`lossscale.Matmul.weight` shows it, ``"head.kernel"``)
+        or its named scope contains one, as torchao's ``module_filter_fn``
+        and torchtitan's ``filter_fqns`` do. A name that matches no matmul
+        warns.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -172,7 +259,7 @@ class Float8:
       <https://github.com/pytorch/ao/tree/main/torchao/float8>`_.
     """
 
-    recipe: str = "tensorwise"
+    recipe: str | Recipe = "tensorwise"
     compute_dtype: Any = jnp.bfloat16
     power_of_two_scales: bool | None = dataclasses.field(
         default=None, kw_only=True
@@ -185,16 +272,21 @@ class Float8:
     exclude: tuple[str, ...] = dataclasses.field(default=(), kw_only=True)
 
     def __post_init__(self) -> None:
-        if self.recipe not in RECIPES:
+        if not isinstance(self.recipe, Recipe) and (
+            not isinstance(self.recipe, str) or self.recipe not in RECIPES
+        ):
             raise ValueError(
-                f"recipe must be one of {RECIPES}, got recipe={self.recipe!r}."
+                f"recipe must be one of {tuple(RECIPES)} or a "
+                f"lossscale.Float8Recipe, got recipe={self.recipe!r}."
             )
+        if isinstance(self.recipe, Recipe):
+            object.__setattr__(self, "recipe", _normalised(self.recipe))
         object.__setattr__(
             self, "compute_dtype", _check_compute_dtype(self.compute_dtype)
         )
         pow2 = self.power_of_two_scales
         if pow2 is None:
-            pow2 = _POWER_OF_TWO_DEFAULT[self.recipe]
+            pow2 = self.row.power_of_two_scales
         elif not isinstance(pow2, bool | np.bool_):
             raise TypeError(
                 "power_of_two_scales must be a bool (or None for the "
@@ -253,6 +345,13 @@ class Float8:
             else int(argnums),
         )
 
+    @property
+    def row(self) -> Recipe:
+        """The recipe's row: how each operand of each GEMM is cast."""
+        if isinstance(self.recipe, Recipe):
+            return self.recipe
+        return RECIPES[self.recipe]
+
     def ineligible(
         self, lhs: Any, rhs: Any, dims: Any, weight: int | None = None
     ) -> str | None:
@@ -310,6 +409,57 @@ def _multiple(size: Any, multiple: int) -> bool:
     whatever its dimensions' values (``32*b`` of 16, not ``b``)."""
     remainder = size % multiple
     return isinstance(remainder, (int, np.integer)) and remainder == 0
+
+
+def _float8_dtype(dtype: Any) -> np.dtype | bool | None:
+    """A float8 dtype as a NumPy dtype, ``None`` as it is, else False."""
+    if dtype is None:
+        return None
+    try:
+        result = np.dtype(dtype)
+    except TypeError:
+        return False
+    return result if result in (E4M3, E5M2) else False
+
+
+def _normalised(row: Recipe) -> Recipe:
+    """``row`` with each cast's dtype a NumPy dtype (``jnp.float8_e4m3fn``
+    is a scalar type), checked: float8 or None, and each GEMM's operands
+    both float8 or both None."""
+    casts: list[Cast] = []
+    for name, one in zip(Recipe._fields, row[:6], strict=False):
+        dtype = _float8_dtype(getattr(one, "dtype", ()))
+        if not isinstance(one, Cast) or isinstance(dtype, bool):
+            raise TypeError(
+                f"Float8Recipe.{name} must be a Float8Cast of "
+                f"float8_e4m3fn, float8_e5m2 or None, got {name}={one!r}."
+            )
+        casts.append(Cast(dtype, bool(one.rowwise)))
+    row = Recipe(*casts[:6], power_of_two_scales=bool(row.power_of_two_scales))
+    gemms = {
+        "the forward GEMM": (row.input, row.weight),
+        "the input gradient's GEMM": (
+            row.grad_output,
+            row.weight_for_grad_input,
+        ),
+        "the weight gradient's GEMM": (
+            row.input_for_grad_weight,
+            row.grad_output_for_grad_weight,
+        ),
+    }
+    for gemm, (a, b) in gemms.items():
+        if (a.dtype is None) != (b.dtype is None):
+            raise ValueError(
+                f"Float8Recipe: {gemm} has one float8 operand and one in "
+                f"the compute dtype ({a!r}, {b!r}): both are float8, or "
+                "both None."
+            )
+    if row.input.dtype is None:
+        raise ValueError(
+            "Float8Recipe: the forward GEMM's operands must be float8, got "
+            f"input={row.input!r}."
+        )
+    return row
 
 
 def _check_compute_dtype(dtype: Any) -> np.dtype:
@@ -405,11 +555,11 @@ def dot_general(
     varying = _compat.vma(lhs) | _compat.vma(rhs)
     dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
     lhs, rhs = _compat.vary_over(lhs, varying), _compat.vary_over(rhs, varying)
-    if weight == 1 or config.recipe != "rowwise_with_gw_hp":
+    if weight == 1 or config.row.symmetric:
         return _fp8_dot(lhs, rhs, dims, config, out_sharding, dtypes)
-    # The rule below keeps the rhs's gradient 16-bit: the weight is put
-    # there, and the product's axes (batch, weight free, lhs free) back in
-    # lhs's order. The other recipes treat both operands alike.
+    # The rules below take the rhs for the weight: it is put there, and
+    # the product's axes (batch, weight free, input free) back in lhs's
+    # order.
     (lc, rc), (lb, rb) = dims
     nb = len(lb)
     w_free = np.ndim(lhs) - len(lc) - nb
@@ -524,26 +674,45 @@ def _scaled_dot(
 # --- the matmul and its derivative -----------------------------------------
 
 
-def _axes(rowwise: bool, axes: Sequence[int]) -> Sequence[int] | None:
-    return tuple(axes) if rowwise else None
+def _cast(
+    x: jax.Array, cast: Cast, axes: Sequence[int], config: Float8
+) -> tuple[jax.Array, jax.Array | None]:
+    """``x`` cast for a GEMM that contracts its ``axes``: quantised, with
+    its scale(s), or in the compute dtype (scale ``None``)."""
+    if cast.dtype is None:
+        return x.astype(config.compute_dtype), None
+    rows = tuple(axes) if cast.rowwise else None
+    return _quantize(x, cast.dtype, rows, bool(config.power_of_two_scales))
 
 
 def _forward(
     lhs: jax.Array, rhs: jax.Array, dims: Dims, config: Float8,
     out_sharding: Any,
-) -> tuple[jax.Array, tuple[jax.Array, ...]]:  # fmt: skip
-    rowwise = config.recipe != "tensorwise"
-    pow2 = bool(config.power_of_two_scales)
+) -> tuple[jax.Array, tuple[Any, Any]]:  # fmt: skip
+    """The product, and what the backward pass keeps of each operand: its
+    float8 copy and scale where its backward cast is its forward one per
+    tensor, else the operand itself."""
+    row = config.row
     (lc, rc), _ = dims
-    q_lhs, s_lhs = _quantize(lhs, E4M3, _axes(rowwise, lc), pow2)
-    q_rhs, s_rhs = _quantize(rhs, E4M3, _axes(rowwise, rc), pow2)
+    # float8 both (_check_recipe): each has its scale(s).
+    q_lhs, s_lhs = _cast(lhs, row.input, lc, config)
+    q_rhs, s_rhs = _cast(rhs, row.weight, rc, config)
+    s_lhs, s_rhs = cast(jax.Array, s_lhs), cast(jax.Array, s_rhs)
     out = _scaled_dot(q_lhs, s_lhs, q_rhs, s_rhs, dims, out_sharding)
     out = out.astype(config.compute_dtype)
-    if rowwise:
-        # Each backward matmul scales along its own contracting axes, so
-        # it quantises again from the operands themselves.
-        return out, (lhs, rhs)
-    return out, (q_lhs, s_lhs, q_rhs, s_rhs)
+    keep_lhs = _reused(row.input, row.input_for_grad_weight)
+    keep_rhs = _reused(row.weight, row.weight_for_grad_input)
+    return out, (
+        (q_lhs, s_lhs) if keep_lhs else lhs,
+        (q_rhs, s_rhs) if keep_rhs else rhs,
+    )
+
+
+def _reused(forward: Cast, backward: Cast) -> bool:
+    """Whether the backward GEMM can take the forward's quantised operand:
+    the same cast, per tensor (a row-wise one scales along the axes of
+    another contraction)."""
+    return forward == backward and not forward.rowwise
 
 
 SECOND_ORDER = (
@@ -590,7 +759,7 @@ def _fp8_dot(
 def _fp8_dot_fwd(
     lhs: jax.Array, rhs: jax.Array, dims: Dims, config: Float8,
     out_sharding: Any, dtypes: tuple[np.dtype, np.dtype],
-) -> tuple[jax.Array, tuple[jax.Array, ...]]:  # fmt: skip
+) -> tuple[jax.Array, tuple[Any, Any]]:  # fmt: skip
     del dtypes
     lhs, rhs = _differentiated_once((lhs, rhs))
     return _forward(lhs, rhs, dims, config, out_sharding)
@@ -644,45 +813,73 @@ def _fp8_dot_bwd(
 ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     del out_sharding  # the cotangents take their operands' shardings
     g = _differentiated_once(g)
+    row = config.row
     lhs_dtype, rhs_dtype = dtypes
-    pow2 = bool(config.power_of_two_scales)
+    kept_lhs, kept_rhs = saved
     (lc, rc), (lb, rb) = dims
     swapped: Dims = ((rc, lc), (rb, lb))
-    if config.recipe == "tensorwise":
-        q_lhs, s_lhs, q_rhs, s_rhs = saved
-        q_g, s_g = _quantize(g, E5M2, None, pow2)
-        dlhs = _cotangent(q_g, s_g, q_rhs, s_rhs, q_lhs, lhs_dtype, dims, False)
-        drhs = _cotangent(
-            q_g, s_g, q_lhs, s_lhs, q_rhs, rhs_dtype, swapped, True
-        )
-        return dlhs, drhs
-    lhs, rhs = saved
-    # lhs's cotangent: dot(g, rhs), contracting g's rhs-free axes.
-    l_dims, _, _ = _transpose(dims, lhs.ndim, rhs.ndim, False)
+    ndims = tuple(_ndim(k) for k in (kept_lhs, kept_rhs))
+    # lhs's (the input's) cotangent: dot(g, rhs), contracting g's
+    # rhs-free axes and rhs's free ones.
+    l_dims, _, _ = _transpose(dims, ndims[0], ndims[1], False)
     (g_axes, r_axes), _ = l_dims
-    q_g, s_g = _quantize(g, E5M2, g_axes, pow2)
-    per_tensor_rhs = config.recipe == "rowwise_with_gw_hp"
-    q_r, s_r = _quantize(rhs, E4M3, None if per_tensor_rhs else r_axes, pow2)
-    dlhs = _cotangent(q_g, s_g, q_r, s_r, lhs, lhs_dtype, dims, False)
-    if config.recipe == "rowwise_with_gw_hp":
-        return dlhs, _high_precision_cotangent(g, lhs, rhs, swapped, config)
-    # rhs's cotangent: dot(g, lhs), contracting g's lhs-free axes.
-    r_dims, _, _ = _transpose(swapped, rhs.ndim, lhs.ndim, True)
+    dlhs = _gemm(
+        (g, row.grad_output, g_axes),
+        (kept_rhs, row.weight_for_grad_input, r_axes),
+        (kept_lhs, lhs_dtype, dims, False),
+        config,
+    )
+    # rhs's (the weight's) cotangent: dot(g, lhs).
+    r_dims, _, _ = _transpose(swapped, ndims[1], ndims[0], True)
     (g_axes, l_axes), _ = r_dims
-    q_g, s_g = _quantize(g, E5M2, g_axes, pow2)
-    q_l, s_l = _quantize(lhs, E4M3, l_axes, pow2)
-    drhs = _cotangent(q_g, s_g, q_l, s_l, rhs, rhs_dtype, swapped, True)
+    drhs = _gemm(
+        (g, row.grad_output_for_grad_weight, g_axes),
+        (kept_lhs, row.input_for_grad_weight, l_axes),
+        (kept_rhs, rhs_dtype, swapped, True),
+        config,
+    )
     return dlhs, drhs
 
 
-def _high_precision_cotangent(
-    g: jax.Array, lhs: jax.Array, rhs: jax.Array, swapped: Dims,
+def _ndim(kept: Any) -> int:
+    return kept[0].ndim if isinstance(kept, tuple) else kept.ndim
+
+
+def _gemm(
+    g_side: tuple[jax.Array, Cast, Sequence[int]],
+    y_side: tuple[Any, Cast, Sequence[int]],
+    x_side: tuple[Any, Any, Dims, bool],
     config: Float8,
+) -> jax.Array:
+    """x's cotangent, ``dot(g, y)`` as JAX's transpose rule computes it,
+    each operand cast as the recipe says (``y`` may be kept quantised
+    from the forward pass); ``x_side``: what x was kept as, x's dtype,
+    the dimension numbers with x first, and whether x is the rhs."""
+    g, g_cast, g_axes = g_side
+    y, y_cast, y_axes = y_side
+    x_kept, x_dtype, dims, swap_ans = x_side
+    x_ref = x_kept[0] if isinstance(x_kept, tuple) else x_kept
+    if g_cast.dtype is None:  # and y_cast's (_check_recipe)
+        return _high_precision_cotangent(
+            g, y, x_ref, x_dtype, dims, swap_ans, config
+        )
+    # y was kept quantised by the forward pass, or is quantised here.
+    qy, ys = y if isinstance(y, tuple) else _cast(y, y_cast, y_axes, config)
+    q_g, s_g = _cast(g, g_cast, g_axes, config)
+    return _cotangent(
+        q_g, cast(jax.Array, s_g), qy, cast(jax.Array, ys), x_ref, x_dtype,
+        dims, swap_ans,
+    )  # fmt: skip
+
+
+def _high_precision_cotangent(
+    g: jax.Array, y: jax.Array, x_ref: jax.Array, x_dtype: Any, dims: Dims,
+    swap_ans: bool, config: Float8,
 ) -> jax.Array:  # fmt: skip
-    """rhs's cotangent from ``config.compute_dtype`` operands, accumulated
-    in float32 and rounded to the compute dtype once, as a GPU's 16-bit
-    GEMM does on every backend (with a bfloat16 result type, XLA:CPU on
-    jax 0.12 strayed past that rounding on the tests' shapes).
+    """x's cotangent ``dot(g, y)`` from ``config.compute_dtype`` operands,
+    accumulated in float32 and rounded to the compute dtype once, as a
+    GPU's 16-bit GEMM does on every backend (with a bfloat16 result type,
+    XLA:CPU on jax 0.12 strayed past that rounding on the tests' shapes).
 
     On CPU the 16-bit operands are multiplied as float32 (their products
     are exact in float32, so the result is the same): XLA:CPU runs some
@@ -690,12 +887,14 @@ def _high_precision_cotangent(
     ``DotThunk`` refuses them (``Unsupported element type for
     DotThunk::Execute: BF16 x BF16 = F32``, jax 0.10.2, on the weight
     gradient of ``einsum("mhd,hdn->mn")``, a flax ``DenseGeneral``)."""
-    new_dims, unsorted, out_axes = _transpose(swapped, rhs.ndim, lhs.ndim, True)
+    new_dims, unsorted, out_axes = _transpose(
+        dims, x_ref.ndim, y.ndim, swap_ans
+    )
     dtype = config.compute_dtype
-    sharding = _compat.transpose_out_sharding(rhs, unsorted)
+    sharding = _compat.transpose_out_sharding(x_ref, unsorted)
 
     def dot(wide: bool) -> jax.Array:
-        a, b = g.astype(dtype), lhs.astype(dtype)
+        a, b = g.astype(dtype), y.astype(dtype)
         if wide:
             a, b = a.astype(F32), b.astype(F32)
         return lax.dot_general(
@@ -710,7 +909,7 @@ def _high_precision_cotangent(
     out = lax.platform_dependent(
         cpu=lambda: dot(True), default=lambda: dot(False)
     )
-    return lax.transpose(out.astype(dtype), out_axes).astype(rhs.dtype)
+    return lax.transpose(out.astype(dtype), out_axes).astype(x_dtype)
 
 
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)

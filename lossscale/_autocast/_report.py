@@ -175,7 +175,7 @@ def _matmul(
 
 def _dtype(eqn: Any, node: Any, config: Any) -> str:
     if node.mode is _infer.Mode.FLOAT8:
-        return "float8_e4m3fn"
+        return str(config.float8.row.input.dtype)  # the forward operands
     if node.mode is _infer.Mode.COMPUTE:
         return str(np.dtype(config.compute))
     return str(np.dtype(eqn.invars[0].aval.dtype))

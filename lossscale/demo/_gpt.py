@@ -212,7 +212,9 @@ def compute_dtype(mode: str):
     """What ``mode`` passes to :func:`lossscale.autocast`: a dtype, or a
     :class:`lossscale.Float8` recipe for the float8 modes."""
     if mode in FLOAT8_MODES:
-        return lossscale.Float8(FLOAT8_MODES[mode])
+        # The output head (tied to the token embedding) stays 16-bit, as
+        # torchao's module_filter_fn keeps a model's head out.
+        return lossscale.Float8(FLOAT8_MODES[mode], exclude="tokens.embedding")
     return common.compute_dtype(mode)
 
 
