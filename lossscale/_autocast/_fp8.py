@@ -269,7 +269,7 @@ class Float8:
     params_argnums: int | tuple[int, ...] = dataclasses.field(
         default=0, kw_only=True
     )
-    exclude: tuple[str, ...] = dataclasses.field(default=(), kw_only=True)
+    exclude: str | Sequence[str] = dataclasses.field(default=(), kw_only=True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.recipe, Recipe) and (
