@@ -84,15 +84,12 @@ __all__ = [
     "bind_as_call",
     "bind_equation",
     "convert",
-    "enable_x64",
-    "explicit_mesh",
     "is_literal",
     "is_tracer",
     "is_var",
     "like_sharding",
     "literal_value",
     "manual_axes",
-    "set_mesh",
     "shardings_hidden",
     "spec",
     "tracing",
@@ -485,30 +482,6 @@ def function_jaxpr(eqn: Any) -> Any:
     return eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
 
 
-def auto_call_shardings(
-    eqn: Any,
-) -> tuple[list[Any | None], list[Any | None]]:
-    """A call's ``in_shardings`` and ``out_shardings``, one per operand and
-    result: a ``Sharding`` given to ``jax.jit`` on a mesh whose axes are
-    all ``Auto`` (which inlining turns into sharding constraints), else
-    ``None`` (unspecified, or explicit axes, whose types carry them)."""
-    auto = jax.sharding.AxisType.Auto
-
-    def keep(s: Any) -> Any | None:
-        if not isinstance(s, jax.sharding.NamedSharding):
-            return None
-        types = getattr(s.mesh, "axis_types", ())
-        return s if all(t == auto for t in types) else None
-
-    n_in, n_out = len(eqn.invars), len(eqn.outvars)
-    ins = tuple(eqn.params.get("in_shardings", ()) or ())
-    outs = tuple(eqn.params.get("out_shardings", ()) or ())
-    return (
-        [keep(s) for s in ins] if len(ins) == n_in else [None] * n_in,
-        [keep(s) for s in outs] if len(outs) == n_out else [None] * n_out,
-    )
-
-
 def call_jaxpr(eqn: Any) -> Any:
     """The closed jaxpr a call equation (``jit``, ``closed_call``) runs."""
     for key in ("jaxpr", "call_jaxpr"):
@@ -619,6 +592,9 @@ HIGHER_ORDER_PARAMS: dict[str, frozenset[str]] = {
         {"cond_jaxpr", "body_jaxpr", "cond_nconsts", "body_nconsts"}
     ),
     "cond": frozenset({"branches", "branches_platforms"}),
+    # jax's CallPrimitive and ClosedCallPrimitive: the jaxpr only.
+    "closed_call": frozenset({"call_jaxpr"}),
+    "core_call": frozenset({"call_jaxpr"}),
     "remat2": frozenset({"jaxpr", "prevent_cse", "differentiated", "policy"}),
     "custom_jvp_call": frozenset(
         {"call_jaxpr", "jvp_jaxpr_fun", "jvp_jaxpr_thunk", "num_consts",
@@ -637,10 +613,11 @@ HIGHER_ORDER_PARAMS["checkpoint"] = HIGHER_ORDER_PARAMS["remat2"]
 
 
 def check_params(eqn: Any) -> None:
-    """Raises :class:`UnknownParams` for a param autocast does not know."""
-    known = HIGHER_ORDER_PARAMS.get(eqn.primitive.name)
-    if known is None:
-        return
+    """Raises :class:`UnknownParams` for a param autocast does not know
+    (every higher-order primitive autocast handles has its entry in
+    :data:`HIGHER_ORDER_PARAMS`: ``lossscale/_autocast/_higher.py``
+    registers none without one)."""
+    known = HIGHER_ORDER_PARAMS[eqn.primitive.name]
     unknown = sorted(set(eqn.params) - known)
     if unknown:
         raise UnknownParams(f"{unknown[0]}={eqn.params[unknown[0]]!r}")
@@ -734,49 +711,6 @@ def checkpoint(fun: Callable[..., Any], **options: Any) -> Callable[..., Any]:
     # jax 0.7's stubs do not re-export jax.checkpoint (pyright checks
     # against the installed JAX); it is there, and public, on every one.
     return jax.checkpoint(fun, **options)  # pyright: ignore[reportPrivateImportUsage]
-
-
-# --- shims for the tests, examples and benchmarks --------------------------
-
-
-def enable_x64() -> contextlib.AbstractContextManager[Any]:
-    """A context with float64 enabled."""
-    # Each branch exists in only some supported JAX versions, and pyright
-    # checks against the one installed: the ignores are for the other one.
-    if hasattr(jax, "enable_x64"):  # jax >= 0.8
-        return jax.enable_x64(True)  # pyright: ignore[reportAttributeAccessIssue]
-    from jax.experimental import enable_x64 as legacy  # pyright: ignore[reportAttributeAccessIssue]
-
-    return legacy(True)
-
-
-def explicit_mesh(
-    shape: Sequence[int],
-    names: Sequence[str],
-    devices: Sequence[Any] | None = None,
-) -> Any:
-    """``jax.make_mesh`` with every axis ``AxisType.Explicit``.
-
-    The default changed in jax 0.9 (Auto axes before, Explicit since; 0.8
-    warns where it is left to the default), so the tests spell it out.
-    """
-    explicit = jax.sharding.AxisType.Explicit
-    return jax.make_mesh(
-        tuple(shape),
-        tuple(names),
-        axis_types=(explicit,) * len(shape),
-        devices=devices,
-    )
-
-
-@contextlib.contextmanager
-def set_mesh(mesh: Any) -> Iterator[None]:
-    """``jax.set_mesh(mesh)`` (``jax.sharding.use_mesh`` before jax 0.8)."""
-    # jax.sharding.use_mesh is gone from the newest JAX (pyright checks
-    # against the installed one), but it is all that jax 0.7 has.
-    setter = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh  # pyright: ignore[reportAttributeAccessIssue]
-    with setter(mesh):
-        yield
 
 
 # --- float8 matmuls (lossscale/_autocast/_fp8.py) ---------------------------

@@ -1,6 +1,9 @@
-"""Helpers shared by the tests."""
+"""Helpers shared by the tests, and the version shims only they need
+(the library's own are in ``lossscale/_compat.py``)."""
 
 import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +11,6 @@ import numpy as np
 
 import lossscale
 from lossscale import _transform
-from lossscale._compat import enable_x64, explicit_mesh, set_mesh
 
 __all__ = [
     "assert_trees_bitwise_equal",
@@ -22,6 +24,49 @@ __all__ = [
     "set_mesh",
     "sharded_sum",
 ]
+
+
+# --- shims across the supported JAX versions ---------------------------
+
+
+def enable_x64() -> contextlib.AbstractContextManager[Any]:
+    """A context with float64 enabled."""
+    # Each branch exists in only some supported JAX versions, and pyright
+    # checks against the one installed: the ignores are for the other one.
+    if hasattr(jax, "enable_x64"):  # jax >= 0.8
+        return jax.enable_x64(True)  # pyright: ignore[reportAttributeAccessIssue]
+    from jax.experimental import enable_x64 as legacy  # pyright: ignore[reportAttributeAccessIssue]
+
+    return legacy(True)
+
+
+def explicit_mesh(
+    shape: Sequence[int],
+    names: Sequence[str],
+    devices: Sequence[Any] | None = None,
+) -> Any:
+    """``jax.make_mesh`` with every axis ``AxisType.Explicit``.
+
+    The default changed in jax 0.9 (Auto axes before, Explicit since; 0.8
+    warns where it is left to the default), so the tests spell it out.
+    """
+    explicit = jax.sharding.AxisType.Explicit
+    return jax.make_mesh(
+        tuple(shape),
+        tuple(names),
+        axis_types=(explicit,) * len(shape),
+        devices=devices,
+    )
+
+
+@contextlib.contextmanager
+def set_mesh(mesh: Any) -> Iterator[None]:
+    """``jax.set_mesh(mesh)`` (``jax.sharding.use_mesh`` before jax 0.8)."""
+    # jax.sharding.use_mesh is gone from the newest JAX (pyright checks
+    # against the installed one), but it is all that jax 0.7 has.
+    setter = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh  # pyright: ignore[reportAttributeAccessIssue]
+    with setter(mesh):
+        yield
 
 
 def assert_trees_bitwise_equal(a, b):

@@ -19,7 +19,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lossscale
-from lossscale._compat import explicit_mesh
 
 
 def main(port: int, process_id: int, init_timeout_s: int = 30) -> None:
@@ -41,7 +40,9 @@ def main(port: int, process_id: int, init_timeout_s: int = 30) -> None:
         **{k: v for k, v in timeouts.items() if k in accepted},
     )
     assert jax.device_count() == 4 and jax.local_device_count() == 2
-    mesh = explicit_mesh((4,), ("data",))
+    # Explicit axes, spelled out (the default changed in jax 0.9).
+    explicit = jax.sharding.AxisType.Explicit
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(explicit,))
     replicated = NamedSharding(mesh, P())
     rows = NamedSharding(mesh, P("data"))
 

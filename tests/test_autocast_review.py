@@ -15,6 +15,7 @@ import pytest
 
 import lossscale
 from lossscale import _compat
+from tests.helpers import enable_x64
 
 F32 = np.dtype(np.float32)
 
@@ -240,7 +241,7 @@ def test_a_numpy_float64_batch_is_read_as_the_float32_jax_makes_it():
     assert value.dtype == F32
     assert float(value) == pytest.approx(float(loss(w, batch)), rel=1e-2)
     # Negative control: with x64 on, float64 is float64, never touched.
-    with lossscale._compat.enable_x64():
+    with enable_x64():
         jaxpr = jax.make_jaxpr(
             lossscale.autocast(lambda x: jnp.sum(jnp.tanh(x @ x.T)))
         )(batch)

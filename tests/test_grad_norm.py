@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lossscale
-from lossscale import _compat
+from tests.helpers import explicit_mesh
 
 N = 8
 SCALE = 2.0**10
@@ -189,7 +189,7 @@ def test_bad_option_and_old_state():
 
 
 def mesh():
-    return _compat.explicit_mesh((N,), ("d",), devices=jax.devices()[:N])
+    return explicit_mesh((N,), ("d",), devices=jax.devices()[:N])
 
 
 def put(m, tree, spec):

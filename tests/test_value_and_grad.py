@@ -22,7 +22,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lossscale
-from lossscale import _compat, _records
+from lossscale import _records
+from tests import helpers
 from tests.helpers import assert_trees_bitwise_equal
 
 SCALE = 8.0
@@ -570,7 +571,7 @@ def test_pmap_axis_name_averages(has_aux):
 
 
 def explicit_mesh():
-    return _compat.explicit_mesh((N,), ("d",), devices=jax.devices()[:N])
+    return helpers.explicit_mesh((N,), ("d",), devices=jax.devices()[:N])
 
 
 def put(mesh, tree, spec):

@@ -674,5 +674,12 @@ HANDLED = frozenset(_HANDLERS)
 
 for _name, _primitive in _compat.primitives_named(_HANDLERS).items():
     _infer_rule, _emit_rule, _island = _HANDLERS[_name]
+    if _name not in _compat.HIGHER_ORDER_PARAMS:
+        # The params autocast rebuilds an equation from: without them, a
+        # param it does not know would go unnoticed.
+        raise RuntimeError(  # pragma: no cover - a developer's error
+            f"lossscale: the handler of {_name} needs its known params in "
+            "lossscale._compat.HIGHER_ORDER_PARAMS."
+        )
     _infer.register(_primitive, _infer_rule, island=_island)
     _emit.register(_primitive, _emit_rule)

@@ -27,7 +27,6 @@ import numpy as np
 
 from lossscale import _compat
 from lossscale._autocast._cast import cast_cache
-from lossscale._autocast._classes import Cls
 
 # The name of the checkpoints autocast adds around float32 islands, as
 # profiles (and tests telling them from the program's own) see them.
@@ -253,8 +252,3 @@ def _key(
     except TypeError:
         return None
     return key
-
-
-def upcasts(mode_float32: bool, ins: Sequence[Cls]) -> bool:
-    """Whether an equation reads a 16-bit activation in float32."""
-    return mode_float32 and Cls.LOW in ins
