@@ -470,3 +470,149 @@ def test_a_new_recipe_is_one_row():
         lossscale.Float8(row._replace(input=lossscale.Float8Cast(jnp.float16)))
     with pytest.raises(ValueError, match="recipe must be one of"):
         lossscale.Float8("rowwise_e5m2")
+
+
+# --- found in a hostile review ---------------------------------------------
+
+
+def test_a_loss_that_closes_over_its_batch_inside_a_jitted_step():
+    # flax's pattern: loss_fn(params) closes over the batch, a value of the
+    # enclosing jit's trace: data, not a constant (it made every matmul
+    # "neither", and no float8 ran).
+    params = {
+        "w1": normal(3, (64, 64), 1 / 8),
+        "w2": normal(4, (64, 32), 1 / 8),
+    }
+
+    def grads(params, x):
+        def loss_fn(p):
+            return jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"])
+
+        return jax.grad(lossscale.autocast(loss_fn, lossscale.Float8()))(params)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "ran no float8 matmul"
+        jaxpr = jax.make_jaxpr(jax.jit(grads))(params, X)
+    # Two layers: a forward and two backward float8 matmuls each.
+    assert len(fp8_dots(jaxpr)) == 6
+
+
+def test_a_model_called_as_the_function_holds_the_weights():
+    # autocast(model)(x): equinox's and NNX's modules are their weights;
+    # the argument is the data.
+    model = eqx.nn.MLP(64, 16, 128, 2, key=jax.random.key(0))
+    report = lossscale.matmuls(
+        lossscale.autocast(model, lossscale.Float8()), X[0]
+    )
+    assert [m.dtype for m in report] == [E4, E4, E4]
+    # A plain function that closes over its weights says so.
+    w = normal(3, (64, 64), 1 / 8)
+    closed = lossscale.autocast(lambda x: x @ w, lossscale.Float8())
+    with pytest.warns(UserWarning, match=r"params_argnums=\(\)"):
+        assert lossscale.matmuls(closed, X)[0].dtype == "bfloat16"
+        closed(X)
+    fixed = lossscale.autocast(
+        lambda x: x @ w, lossscale.Float8(params_argnums=())
+    )
+    assert lossscale.matmuls(fixed, X)[0].dtype == E4
+
+
+def test_a_layer_called_at_several_places_keeps_each_weight():
+    # One jax.jit-ed (or checkpointed) layer, one jaxpr, three weights: each
+    # call is planned with its own (a shared plan named them all, and
+    # exclude="head" kept every layer out).
+    @jax.jit
+    def layer(h, w):
+        return jnp.tanh(h @ w)
+
+    def loss(p, x):
+        for name in ("w1", "w2", "head"):
+            x = layer(x, p[name])
+        return jnp.mean(x)
+
+    params = {
+        n: normal(i, (64, 64), 1 / 8)
+        for i, n in enumerate(["w1", "w2", "head"])
+    }
+    f8 = lossscale.autocast(loss, lossscale.Float8(exclude="head"))
+    report = lossscale.matmuls(f8, params, X)
+    assert [(m.dtype, m.weight) for m in report] == [
+        (E4, "w1"),
+        (E4, "w2"),
+        ("bfloat16", "head"),
+    ]
+    jaxpr = jax.make_jaxpr(jax.grad(f8))(params, X)
+    assert len([d for d in fp8_dots(jaxpr) if d == (E4, E4)]) == 2
+
+
+def test_exclude_matches_whole_parts_of_a_name():
+    params = {
+        "w1": normal(3, (64, 64), 1 / 8),
+        "w10": normal(4, (64, 64), 1 / 8),
+    }
+
+    def loss(p, x):
+        return jnp.mean(x @ p["w1"] @ p["w10"])
+
+    f8 = lossscale.autocast(loss, lossscale.Float8(exclude="w1"))
+    assert [(m.dtype, m.weight) for m in lossscale.matmuls(f8, params, X)] == [
+        ("bfloat16", "w1"),
+        (E4, "w10"),
+    ]
+
+
+def test_keeping_out_reaches_into_calls_loops_and_scopes():
+    w, head = normal(3, (64, 64), 1 / 8), normal(4, (64, 64), 1 / 8)
+
+    @jax.jit
+    def head_fn(h, w):
+        return h @ w
+
+    def scoped(params, x):
+        h = x @ params[0]
+        with lossscale.compute_scope():
+            return jnp.mean(head_fn(h, params[1]))
+
+    def named(params, x):
+        h = x @ params[0]
+        with jax.named_scope("output"):
+            return jnp.mean(jax.checkpoint(head_fn)(h, params[1]))
+
+    for fun, kept, why in [
+        (scoped, lossscale.Float8(), "compute_scope"),
+        (
+            named,
+            lossscale.Float8(exclude="output"),
+            "Float8(exclude=...): 'output'",
+        ),
+    ]:
+        report = lossscale.matmuls(lossscale.autocast(fun, kept), (w, head), X)
+        assert [(m.dtype, m.why) for m in report] == [
+            (E4, "float8"),
+            ("bfloat16", why),
+        ]
+
+
+def test_forward_mode_around_a_float8_function_is_refused():
+    w = normal(3, (64, 64), 1 / 8)
+
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(x @ w))
+
+    wrong = lossscale.autocast(jax.jacfwd(loss), lossscale.Float8())
+    with pytest.raises(TypeError, match="derivative's matmul"):
+        wrong(w, X[:16])
+
+    # A gradient taken inside compute_scope is allowed: 16-bit there.
+    def penalty(w, x):
+        with lossscale.compute_scope():
+            g = jax.grad(loss)(w, x)
+        return loss(w, x) + jnp.sum(g**2)
+
+    f8 = lossscale.autocast(penalty, lossscale.Float8())
+    report = lossscale.matmuls(f8, w, X)
+    assert [(m.dtype, m.why) for m in report] == [
+        ("bfloat16", "compute_scope"),  # the gradient's forward ...
+        ("bfloat16", "compute_scope"),  # ... and backward matmuls
+        (E4, "float8"),
+    ]

@@ -223,16 +223,23 @@ class Float8:
         (default 16; M too for an activation-by-activation matmul under
         ``batched``).
       params_argnums: under :func:`lossscale.autocast`, the positional
-        arguments that hold the parameters, as ``jax.grad``'s ``argnums``
-        (default 0, the first); a matmul's operand computed from them (or
-        from constants) alone is its weight. ``()``: none, the weights are
-        closed over.
+        arguments that hold the parameters, as ``jax.grad``'s ``argnums``;
+        a matmul's operand computed from them (or from constants) alone is
+        its weight. ``()``: none, the weights are closed over (then what
+        the function closes over is a parameter, concrete or traced).
+        By default (``None``) the first argument, or none where the
+        function is a model holding its own weights (an equinox or NNX
+        module: ``autocast(model)(x)``); a traced value the function
+        closes over (the batch of ``loss_fn(params)`` inside a jitted
+        step) is then data.
       exclude: under :func:`lossscale.autocast`, names (or one name) that
-        keep a matmul in the 16-bit ``compute_dtype`` when its weight's
-        path (as :attr:`lossscale.Matmul.weight` shows it, ``"head.kernel"``)
-        or its named scope contains one, as torchao's ``module_filter_fn``
-        and torchtitan's ``filter_fqns`` do. A name that matches no matmul
-        warns.
+        keep a matmul in the 16-bit ``compute_dtype``, as torchao's
+        ``module_filter_fn`` and torchtitan's ``filter_fqns`` do: one whose
+        weight's path (as :attr:`lossscale.Matmul.weight` shows it,
+        ``"head.kernel"``), named scope, or calling ``jax.jit``-ed function
+        has the name's parts among its own, in a row (``"layers.1"`` names
+        ``"layers.1.kernel"``, not ``"layers.10.kernel"``). A name that
+        matches no matmul warns.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -266,8 +273,8 @@ class Float8:
     )
     batched: bool = dataclasses.field(default=False, kw_only=True)
     multiple: int = dataclasses.field(default=16, kw_only=True)
-    params_argnums: int | tuple[int, ...] = dataclasses.field(
-        default=0, kw_only=True
+    params_argnums: int | tuple[int, ...] | None = dataclasses.field(
+        default=None, kw_only=True
     )
     exclude: str | Sequence[str] = dataclasses.field(default=(), kw_only=True)
 
@@ -309,7 +316,8 @@ class Float8:
             )
         object.__setattr__(self, "multiple", int(self.multiple))
         argnums = self.params_argnums
-        many = argnums if isinstance(argnums, tuple) else (argnums,)
+        many = () if argnums is None else argnums
+        many = many if isinstance(many, tuple) else (many,)
         if not all(
             isinstance(a, int | np.integer)
             and not isinstance(a, bool)
@@ -337,13 +345,14 @@ class Float8:
                 f"{self.exclude!r}."
             )
         object.__setattr__(self, "exclude", exclude)
-        object.__setattr__(
-            self,
-            "params_argnums",
-            tuple(int(a) for a in many)
-            if isinstance(argnums, tuple)
-            else int(argnums),
-        )
+        if argnums is not None:
+            object.__setattr__(
+                self,
+                "params_argnums",
+                tuple(int(a) for a in many)
+                if isinstance(argnums, tuple)
+                else int(argnums),
+            )
 
     @property
     def row(self) -> Recipe:

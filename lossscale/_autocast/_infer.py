@@ -177,6 +177,11 @@ def in_float32_scope(eqn: Any) -> bool:
     return _SCOPE_RE.search(_compat.name_stack(eqn)) is not None
 
 
+def in_compute_scope(eqn: Any) -> bool:
+    """Traced inside :func:`lossscale.compute_scope`."""
+    return _COMPUTE_RE.search(_compat.name_stack(eqn)) is not None
+
+
 def eqn_facts(eqn: Any) -> EqnFacts:
     """What an equation is, whatever the classes."""
     record = R.TABLE.get(eqn.primitive)
@@ -316,11 +321,14 @@ class _Planning:
         self,
         config: Config,
         facts: JaxprFacts,
-        roles: Mapping[Any, _weights.Role],
+        analysis: _weights.Analysis,
     ) -> None:
         self.config = config
         self.facts = facts
-        self.roles = roles  # each matmul's, under a float8 recipe
+        # Under a float8 recipe: each matmul's role, and the sources each
+        # higher-order equation reaches its jaxprs with.
+        self.roles = analysis.roles
+        self.sites = analysis.sites
         self.used: set[tuple[str, str]] = set()
         self.as_traced: frozenset[Any] = frozenset()
 
@@ -362,8 +370,10 @@ def _plan(
     sources: tuple[_weights.Source, ...] | None,
 ) -> Plan:
     jf = facts(jaxpr)
-    roles = {} if sources is None else _weights.roles(jaxpr, sources)
-    planning = _Planning(config, jf, roles)
+    analysis = (
+        _weights.EMPTY if sources is None else _weights.analyse(jaxpr, sources)
+    )
+    planning = _Planning(config, jf, analysis)
     if any(as_traced):
         planning.as_traced = jf.cone(as_traced)
     rounds = _Rounds(planning, jaxpr, consts, ins, out_only32, out_demanded)
@@ -884,18 +894,51 @@ def _wide_result(eqn: Any) -> bool:
     return bool(widths) and np.dtype(wanted).itemsize > max(widths)
 
 
+def _parts(name: str) -> list[str]:
+    return [p for p in re.split(r"[./()]", name) if p]
+
+
+def matches(pattern: str, names: Sequence[str]) -> bool:
+    """Whether ``pattern``'s parts (``"layers.1"``: ``layers``, ``1``) are
+    consecutive parts of one of ``names`` (a weight's path, a named scope
+    ``"outer/inner"``): ``"layers.1"`` is in ``"layers.1.kernel"``, not in
+    ``"layers.10.kernel"``; ``"head"`` not in ``"lm_head"``."""
+    want = _parts(pattern)
+    n = len(want)
+    for name in names:
+        parts = _parts(name)
+        if any(parts[i : i + n] == want for i in range(len(parts) - n + 1)):
+            return True
+    return False
+
+
 def excluded_by(eqn: Any, float8: Any, role: _weights.Role | None) -> str:
-    """The first of ``float8.exclude`` that is part of the matmul's weight
-    path or of its named scopes (``""``: none)."""
+    """The first of ``float8.exclude`` that names the matmul's weight path,
+    a scope it was traced in, or the function that calls it (``""``:
+    none)."""
     if not float8.exclude:
         return ""
-    names = [_compat.name_stack(eqn)]
+    names = [_compat.name_stack(eqn), _compat.function_name(eqn) or ""]
     if role is not None and role.weight is not None:
         names.extend(role.leaves)
     for pattern in float8.exclude:
-        if any(pattern in name for name in names):
+        if matches(pattern, names):
             return pattern
     return ""
+
+
+def _kept_out(planning: _Planning, eqn: Any, config: Config) -> bool:
+    """Whether a higher-order equation's matmuls are kept out of float8:
+    traced in :func:`lossscale.compute_scope`, or a function or scope that
+    ``exclude`` names (noted as used)."""
+    if config.float8 is None:
+        return False
+    if in_compute_scope(eqn):
+        return True
+    pattern = excluded_by(eqn, config.float8, None)
+    if pattern:
+        planning.used.add(("exclude", pattern))
+    return bool(pattern)
 
 
 def float8_ineligible(
@@ -911,7 +954,7 @@ def float8_ineligible(
         return "precision above DEFAULT"
     if _wide_result(eqn):
         return "a preferred_element_type wider than its operands"
-    if _COMPUTE_RE.search(_compat.name_stack(eqn)):
+    if in_compute_scope(eqn):
         return "compute_scope"
     pattern = excluded_by(eqn, float8, role)
     if pattern:
@@ -929,26 +972,31 @@ def float8_ineligible(
 
 
 _GRADIENT_TRACED = (
-    "lossscale.autocast with a Float8 recipe traced a gradient's matmul "
-    "(autocast(jax.grad(f), Float8(...)), or a jax.grad inside the "
-    "function): it would run as a forward matmul, e4m3 x e4m3, without "
-    "the recipe's backward formats (the e5m2 output gradient, "
+    "lossscale.autocast with a Float8 recipe traced a derivative's matmul "
+    "(autocast(jax.grad(f), Float8(...)), jax.jacfwd, or a jax.grad "
+    "inside the function): it would run as a forward matmul, without the "
+    "recipe's backward formats (tensorwise's e5m2 output gradient, "
     "rowwise_with_gw_hp's 16-bit weight gradient). Differentiate the "
     "autocast function instead: jax.grad(lossscale.autocast(f, "
-    "lossscale.Float8(...))); or keep its matmuls 16-bit: "
-    "rules={'dot_general': 'compute'}."
+    "lossscale.Float8(...))); or keep those matmuls 16-bit: "
+    "lossscale.compute_scope() around them, or "
+    "rules={'dot_general': 'compute'} for the whole function."
 )
-_TRANSPOSED = re.compile(r"(?:^|[/(])transpose\(")
+_TRANSPOSED = re.compile(r"(?:^|[/(])(?:transpose|jvp)\(")
 
 
 def _float8(a: KindArgs) -> tuple[Node, list[Info]]:
-    if _TRANSPOSED.search(_compat.name_stack(a.eqn)):
-        # Whether it would run in float8 or not: its format would not be
-        # the recipe's backward one either way.
-        raise TypeError(_GRADIENT_TRACED)
     pattern = excluded_by(a.eqn, a.float8, a.role)
     if pattern:
         a.used.add(("exclude", pattern))
+    if (
+        _TRANSPOSED.search(_compat.name_stack(a.eqn))
+        and not pattern
+        and not in_compute_scope(a.eqn)
+    ):
+        # Whether it would run in float8 or not: its format would not be
+        # the recipe's backward one either way.
+        raise TypeError(_GRADIENT_TRACED)
     reason = float8_ineligible(a.eqn, a.float8, a.role)
     if reason is not None:
         node, outs = _matmul(a)
@@ -1018,6 +1066,11 @@ def _forward(
     compute = config.compute
     ef = planning.facts.of[eqn]
     if ef.scoped or eqn in planning.as_traced:
+        if config.float8 is not None and ef.matmul:
+            # Kept in float32 all the same: an exclude naming it matched.
+            pattern = excluded_by(eqn, config.float8, planning.roles.get(eqn))
+            if pattern:
+                planning.used.add(("exclude", pattern))
         return traced(eqn, infos, compute, ef)
     higher = HIGHER.get(eqn.primitive)
     if higher is not None or ef.function is not None:
@@ -1028,9 +1081,10 @@ def _forward(
             planning.used.add(("function", ef.function))
         if rule in ("float32", "original") or higher is None:
             return traced(eqn, infos, compute, ef)  # custom_vjp: run whole
-        if rule == "compute":
+        if rule == "compute" or _kept_out(planning, eqn, config):
             config = config.sixteen_bit
-        node = higher.infer(config, eqn, infos, only32, demanded)
+        with _weights.at(planning.sites.get(eqn, {})):
+            node = higher.infer(config, eqn, infos, only32, demanded)
         return node, [Info(c) for c in node.outs]
     floats = {i.cls for i, f in zip(infos, ef.float_in, strict=True) if f}
     if Cls.KEEP in floats:

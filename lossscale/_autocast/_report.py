@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from lossscale import _compat
-from lossscale._autocast import _eager, _infer, _run
+from lossscale._autocast import _eager, _infer, _run, _weights
 from lossscale._autocast._classes import Cls
 
 
@@ -85,7 +85,10 @@ def matmuls(fun: Any, *args: Any, **kwargs: Any) -> list[Matmul]:
             f"fun={fun!r}."
         )
     config = fun._config
-    traced = _run.trace(config, fun._out_dtype, fun.__wrapped__, args, kwargs)
+    with _weights.naming():  # each linear layer's weight, by its path
+        traced = _run.trace(
+            config, fun._out_dtype, fun.__wrapped__, args, kwargs
+        )
     # A rule or filter that matches nothing warns here too: this is where
     # a rule is checked before training.
     _run.warn_unused(config, traced.plan.used, traced.plan.functions, set())
@@ -139,13 +142,19 @@ def _inside(eqn: Any, place: _Place) -> _Place:
     name = _compat.function_name(eqn)
     where = _join(place.where, _compat.name_stack(eqn), name or "")
     rule = None if name is None else place.config.function_rule(name)
-    if rule == "compute" and place.config.float8 is not None:
-        return _Place(
-            place.config.sixteen_bit,
-            where,
-            f"function_rules[{name!r}]: 'compute'",
-        )
-    return place._replace(where=where)
+    float8 = place.config.float8
+    if float8 is None:
+        return place._replace(where=where)
+    why = None
+    if rule == "compute":
+        why = f"function_rules[{name!r}]: 'compute'"
+    elif _infer.in_compute_scope(eqn):
+        why = "compute_scope"
+    elif pattern := _infer.excluded_by(eqn, float8, None):
+        why = f"Float8(exclude=...): {pattern!r}"
+    if why is None:
+        return place._replace(where=where)
+    return _Place(place.config.sixteen_bit, where, why)
 
 
 def _as_traced(eqn: Any, why: str, place: _Place) -> Iterator[Matmul]:

@@ -128,10 +128,9 @@ def trace(
     n = len(jaxpr.outvars)
     analysed = contextlib.nullcontext()
     if config.float8 is not None:
-        names = param_names(fun, config.float8, args, kwargs, dynamic)
-        sources = input_sources(config.float8, args, kwargs, dynamic, names)
-        consts = [_weights.PARAM] * len(jaxpr.constvars)
-        analysed = _weights.analysed(jaxpr, [*consts, *sources])
+        sources = input_sources(config.float8, fun, args, kwargs, dynamic)
+        consts = const_sources(config.float8, fun, closed.consts)
+        analysed = _weights.at({jaxpr: (*consts, *sources)})
     with analysed:
         plan = _infer.infer(
             config,
@@ -146,18 +145,38 @@ def trace(
     )
 
 
+def _own_arrays(fun: Callable[..., Any]) -> bool:
+    """Whether ``fun`` holds arrays itself: a model called as the function
+    (an equinox or flax NNX module, a bound method of one)."""
+    try:
+        leaves = jax.tree.leaves(fun)
+    except Exception:  # not a pytree JAX can flatten
+        return False
+    return any(is_array(leaf) for leaf in leaves if leaf is not fun)
+
+
+def params_argnums(float8: Any, fun: Callable[..., Any]) -> tuple[int, ...]:
+    """The positional arguments that hold the parameters: the recipe's
+    ``params_argnums``, or by default the first argument, or none where
+    ``fun`` is a model holding its own weights (``autocast(model)(x)``)."""
+    argnums = float8.params_argnums
+    if argnums is None:
+        return () if _own_arrays(fun) else (0,)
+    return argnums if isinstance(argnums, tuple) else (argnums,)
+
+
 def input_sources(
     float8: Any,
+    fun: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     dynamic: list,
-    names: list[str],
 ) -> list[_weights.Source]:
     """What each array argument is to a float8 recipe: a parameter (in
-    the positional arguments ``float8.params_argnums`` names; with its
-    path in ``names``), integer data, or data."""
-    argnums = float8.params_argnums
-    argnums = set(argnums if isinstance(argnums, tuple) else (argnums,))
+    the positional arguments :func:`params_argnums` gives; with its path
+    where a recipe's ``exclude`` or :func:`lossscale.matmuls` reads it),
+    integer data, or data."""
+    argnums = set(params_argnums(float8, fun))
     if argnums and max(argnums) >= len(args):
         raise ValueError(
             f"params_argnums={float8.params_argnums!r} of the Float8 recipe "
@@ -165,20 +184,39 @@ def input_sources(
             "positional arguments): it names the arguments that hold the "
             "parameters, as jax.grad's argnums does."
         )
+    names: list[str] = []
+    if float8.exclude or _weights.names_wanted():
+        names = param_names(fun, float8, args, kwargs, dynamic)
     paths = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
     sources = []
     for j, i in enumerate(dynamic):
         path, leaf = paths[i]
         positional = getattr(path[0], "idx", None) == 0
         if positional and getattr(path[1], "idx", None) in argnums:
-            sources.append(
-                _weights.Source(_weights.Src.PARAM, frozenset([names[j]]))
-            )
+            leaves = frozenset(names[j : j + 1])
+            sources.append(_weights.Source(_weights.Src.PARAM, leaves))
         elif is_float(dtype_of(leaf)):
             sources.append(_weights.DATA)
         else:
             sources.append(_weights.INDEX)
     return sources
+
+
+def const_sources(
+    float8: Any, fun: Callable[..., Any], consts: list[Any]
+) -> list[_weights.Source]:
+    """What each value the function closes over is: a constant (a
+    parameter) if it is concrete, or where no argument holds parameters
+    (``params_argnums=()``, or a model called as the function); else a
+    value of an enclosing trace, such as the batch that ``loss_fn(params)``
+    closes over inside a jitted step: data."""
+    closed_params = not params_argnums(float8, fun)
+    return [
+        _weights.PARAM
+        if closed_params or not _compat.is_tracer(c)
+        else (_weights.DATA if is_float(dtype_of(c)) else _weights.INDEX)
+        for c in consts
+    ]
 
 
 def param_names(
@@ -192,8 +230,7 @@ def param_names(
     weight: inside its argument, dotted (``"head.kernel"``), after the
     argument's name where ``params_argnums`` names several, or where the
     argument is the array itself (``"w"``)."""
-    argnums = float8.params_argnums
-    several = isinstance(argnums, tuple) and len(argnums) > 1
+    several = len(params_argnums(float8, fun)) > 1
     try:
         arg_names = list(inspect.signature(fun).parameters)
     except (TypeError, ValueError):  # a builtin, a C extension
@@ -359,6 +396,11 @@ def warn_no_float8(
             tally[reason] = tally.get(reason, 0) + 1
         why = "; ".join(f"{r} ({n}x)" for r, n in tally.items())
         why = f"its {len(reasons)} matmuls stayed 16-bit: {why}"
+        if _weights.REASONS["neither"] in tally:
+            why += (
+                " (a function that closes over its weights and takes the "
+                "data as its first argument: Float8(params_argnums=()))"
+            )
     else:
         why = "it has no matmul that a float8 recipe runs (dot_general)"
     warnings.warn(

@@ -146,20 +146,19 @@ def _eqn_sources(eqn: Any, ins: list[Source]) -> list[Source]:
 
 
 class _Flow:
-    """One analysis: the inputs each jaxpr is reached with, joined over
-    the places that reach it, found by iterating to a fixed point."""
+    """The sources of a jaxpr's values, from those of its inputs; and,
+    for each higher-order equation of that jaxpr, the sources each of its
+    jaxprs is reached with there (a loop's carry at its fixed point)."""
 
     def __init__(self) -> None:
-        self.reached: dict[Any, tuple[Source, ...]] = {}
+        self.depth = 0
+        self.eqn: Any = None  # the higher-order equation being read
+        self.sites: dict[Any, dict[Any, tuple[Source, ...]]] = {}
+        self.roles: dict[Any, Role] = {}
 
     def run(self, jaxpr: Any, ins: Sequence[Source]) -> list[Source]:
         """``jaxpr``'s outputs' sources for inputs (constants first, then
         the inputs proper) of these sources."""
-        ins = tuple(ins)
-        old = self.reached.get(jaxpr)
-        if old is not None:
-            ins = tuple(join(a, b) for a, b in zip(old, ins, strict=True))
-        self.reached[jaxpr] = ins
         env: dict[Any, Source] = dict(
             zip([*jaxpr.constvars, *jaxpr.invars], ins, strict=True)
         )
@@ -167,18 +166,32 @@ class _Flow:
         def read(atom: Any) -> Source:
             return env[atom] if _compat.is_var(atom) else PARAM
 
+        self.depth += 1
         for eqn in jaxpr.eqns:
             eqn_ins = [read(a) for a in eqn.invars]
+            if self.depth == 1 and eqn.primitive is _DOT:
+                self.roles[eqn] = role(*eqn_ins)
+            outer, self.eqn = self.eqn, eqn
             outs = self._higher(eqn, eqn_ins)
+            self.eqn = outer
             if outs is None:
                 outs = _eqn_sources(eqn, eqn_ins)
             env.update(zip(eqn.outvars, outs, strict=True))
+        self.depth -= 1
         return [read(a) for a in jaxpr.outvars]
+
+    def _sub(self, jaxpr: Any, ins: Sequence[Source]) -> list[Source]:
+        """A jaxpr of the equation being read, run on ``ins``: recorded as
+        that equation's site where the equation is the analysed jaxpr's
+        own (the last run of a loop's body has its fixed point)."""
+        if self.depth == 1:
+            self.sites.setdefault(self.eqn, {})[jaxpr] = tuple(ins)
+        return self.run(jaxpr, ins)
 
     def _closed(self, closed: Any, ins: Sequence[Source]) -> list[Source]:
         jaxpr = getattr(closed, "jaxpr", closed)
         consts = [PARAM] * len(jaxpr.constvars)
-        return self.run(jaxpr, [*consts, *ins])
+        return self._sub(jaxpr, [*consts, *ins])
 
     def _higher(self, eqn: Any, ins: list[Source]) -> list[Source] | None:
         p, prim = eqn.params, eqn.primitive
@@ -203,7 +216,7 @@ class _Flow:
         # what all its operands have in common.
         joined = _join_all(ins)
         for sub in subs:
-            self.run(sub, [joined] * (len(sub.constvars) + len(sub.invars)))
+            self._sub(sub, [joined] * (len(sub.constvars) + len(sub.invars)))
         return [joined] * len(eqn.outvars)
 
     def _scan(self, eqn: Any, ins: list[Source]) -> list[Source]:
@@ -232,54 +245,75 @@ class _Flow:
             carry = new
 
 
+class Analysis(NamedTuple):
+    """A jaxpr's matmuls' roles, and where each of its higher-order
+    equations reaches its jaxprs from (by equation, then jaxpr)."""
+
+    roles: Mapping[Any, Role]
+    sites: Mapping[Any, Mapping[Any, tuple[Source, ...]]]
+
+
+EMPTY = Analysis({}, {})
+_ANALYSES = JaxprCache()
+
+
+def analyse(jaxpr: Any, ins: tuple[Source, ...]) -> Analysis:
+    """The :class:`Analysis` of ``jaxpr`` reached with ``ins`` (constants
+    first; kept while the jaxpr lives). Its jaxprs are analysed in their
+    turn, each for the sources it is reached with at each place: a layer
+    called twice with other weights is two sites, with the weights of
+    each."""
+
+    def make() -> Analysis:
+        flow = _Flow()
+        flow.run(jaxpr, ins)
+        return Analysis(flow.roles, flow.sites)
+
+    return _ANALYSES.get(jaxpr, ins, make)
+
+
 # --- what the planning reads ----------------------------------------------
 
-_REACHED: contextvars.ContextVar[Mapping[Any, tuple[Source, ...]] | None] = (
-    contextvars.ContextVar("lossscale_weights_reached", default=None)
+_SITE: contextvars.ContextVar[Mapping[Any, tuple[Source, ...]] | None] = (
+    contextvars.ContextVar("lossscale_weights_site", default=None)
 )
 
 
 @contextlib.contextmanager
-def analysed(jaxpr: Any, ins: Sequence[Source]) -> Iterator[None]:
-    """While planning ``jaxpr`` (constants first in ``ins``): the sources
-    each jaxpr it reaches is reached with, for :func:`reached_with`."""
-    flow = _Flow()
-    flow.run(jaxpr, ins)
-    token = _REACHED.set(flow.reached)
+def at(site: Mapping[Any, tuple[Source, ...]]) -> Iterator[None]:
+    """While planning the jaxprs of one equation (or the traced program):
+    the sources each is reached with there, for :func:`reached_with`."""
+    token = _SITE.set(site)
     try:
         yield
     finally:
-        _REACHED.reset(token)
+        _SITE.reset(token)
 
 
 def reached_with(jaxpr: Any) -> tuple[Source, ...] | None:
-    """The sources of ``jaxpr``'s constants and inputs in the program
-    being planned (``None``: outside :func:`analysed`, or not reached)."""
-    reached = _REACHED.get()
-    return None if reached is None else reached.get(jaxpr)
+    """The sources of ``jaxpr``'s constants and inputs where it is being
+    planned (``None``: not known, as for a custom_jvp rule's jaxpr)."""
+    site = _SITE.get()
+    return None if site is None else site.get(jaxpr)
 
 
-_ROLES = JaxprCache()
+_NAMING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "lossscale_weights_naming", default=False
+)
 
 
-def roles(jaxpr: Any, ins: tuple[Source, ...]) -> Mapping[Any, Role]:
-    """The role of each ``dot_general`` of ``jaxpr`` (not of the jaxprs in
-    it) reached with ``ins`` (kept while the jaxpr lives)."""
+@contextlib.contextmanager
+def naming() -> Iterator[None]:
+    """Parameters carry their paths through the flow while in it (for
+    :func:`lossscale.matmuls`): otherwise only where a float8 recipe's
+    ``exclude`` reads them, so that a layer called with other weights
+    keeps one plan."""
+    token = _NAMING.set(True)
+    try:
+        yield
+    finally:
+        _NAMING.reset(token)
 
-    def make() -> dict[Any, Role]:
-        flow = _Flow()
-        env = dict(zip([*jaxpr.constvars, *jaxpr.invars], ins, strict=True))
-        found: dict[Any, Role] = {}
-        for eqn in jaxpr.eqns:
-            eqn_ins = [
-                env[a] if _compat.is_var(a) else PARAM for a in eqn.invars
-            ]
-            if eqn.primitive is _DOT:
-                found[eqn] = role(*eqn_ins)
-            outs = flow._higher(eqn, eqn_ins)
-            if outs is None:
-                outs = _eqn_sources(eqn, eqn_ins)
-            env.update(zip(eqn.outvars, outs, strict=True))
-        return found
 
-    return _ROLES.get(jaxpr, ins, make)
+def names_wanted() -> bool:
+    return _NAMING.get()
