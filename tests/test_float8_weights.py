@@ -616,3 +616,26 @@ def test_forward_mode_around_a_float8_function_is_refused():
         ("bfloat16", "compute_scope"),  # ... and backward matmuls
         (E4, "float8"),
     ]
+
+
+@pytest.mark.parametrize(
+    "recipe, weight_shape, converted",
+    # torchao's own cases (test/float8/test_auto_filter.py): an nn.Linear's
+    # weight, (out_features, in_features), and whether it is converted.
+    [
+        ("tensorwise", (8192, 2048), True),
+        ("tensorwise", (4096, 1024), False),
+        ("rowwise", (4096, 8192), True),
+        ("rowwise", (2048, 4096), False),
+    ],
+)
+def test_auto_filter_is_torchaos(recipe, weight_shape, converted):
+    x = (32, weight_shape[1])  # 32 rows of in_features
+    dims = (((1,), (1,)), ((), ()))  # x @ W.T, the weight on the right
+    auto = lossscale.Float8(recipe, auto_filter=True)
+    reason = auto.ineligible(x, weight_shape, dims, weight=1)
+    assert (reason is None) == converted, reason
+    # Off by default: multiples of 16 are enough.
+    assert lossscale.Float8(recipe).ineligible(x, weight_shape, dims, 1) is None
+    with pytest.raises(ValueError, match="auto_filter has sizes"):
+        lossscale.Float8(GW_HP, auto_filter=True)

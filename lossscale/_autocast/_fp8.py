@@ -240,6 +240,10 @@ class Float8:
         has the name's parts among its own, in a row (``"layers.1"`` names
         ``"layers.1.kernel"``, not ``"layers.10.kernel"``). A name that
         matches no matmul warns.
+      auto_filter: keep in ``compute_dtype`` the linear layers too small
+        to gain from float8, by torchao's size thresholds
+        (``_auto_filter_for_recipe``, measured on an H100; default
+        ``False``): ``"tensorwise"`` and ``"rowwise"`` only.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -277,6 +281,7 @@ class Float8:
         default=None, kw_only=True
     )
     exclude: str | Sequence[str] = dataclasses.field(default=(), kw_only=True)
+    auto_filter: bool = dataclasses.field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.recipe, Recipe) and (
@@ -345,6 +350,18 @@ class Float8:
                 f"{self.exclude!r}."
             )
         object.__setattr__(self, "exclude", exclude)
+        if not isinstance(self.auto_filter, bool | np.bool_):
+            raise TypeError(
+                "auto_filter must be a bool, got "
+                f"auto_filter={self.auto_filter!r}."
+            )
+        object.__setattr__(self, "auto_filter", bool(self.auto_filter))
+        if self.auto_filter and self.recipe not in _AUTO_FILTERED:
+            raise ValueError(
+                "auto_filter has sizes for the recipes torchao has them for, "
+                f"{_AUTO_FILTERED}, got recipe={self.recipe!r} (torchao's "
+                "_auto_filter_for_recipe refuses rowwise_with_gw_hp too)."
+            )
         if argnums is not None:
             object.__setattr__(
                 self,
@@ -396,6 +413,11 @@ class Float8:
                     f"the weight's N={n}, K={k} not both multiples of "
                     f"{self.multiple}"
                 )
+            if self.auto_filter and _too_small(str(self.recipe), n, k):
+                return (
+                    f"auto_filter: N={n}, K={k} below torchao's sizes for "
+                    f"{self.recipe} (slower than bfloat16 on an H100)"
+                )
             return None
         if (lb or rb) and not self.batched:
             return "batch dimensions (attention)"
@@ -404,6 +426,23 @@ class Float8:
         if not all(_multiple(size, self.multiple) for size in (m, n, k)):
             return f"M={m}, N={n}, K={k} not all multiples of {self.multiple}"
         return None
+
+
+_AUTO_FILTERED = ("tensorwise", "rowwise")
+
+
+def _too_small(recipe: str, n: Any, k: Any) -> bool:
+    """Whether a linear layer with N output and K input features is one
+    torchao's auto filter leaves in bfloat16 for ``recipe``, where float8
+    was slower on an H100 (torchao/float8/float8_linear_utils.py,
+    ``_auto_filter_for_tensorwise`` and ``_auto_filter_for_rowwise``; their
+    ``K, N = weight.shape`` names an ``nn.Linear``'s output features K and
+    its input features N, so their thresholds are restated here)."""
+    if not all(isinstance(d, (int, np.integer)) for d in (n, k)):
+        return False  # symbolic: no threshold holds for every size
+    if recipe == "tensorwise":
+        return n <= 4096 and k <= 1024
+    return k <= 2048 or n <= 1024 or (k <= 4096 and n <= 2048)
 
 
 def _size(shape: Sequence[Any], removed: Sequence[int]) -> Any:
