@@ -6,7 +6,10 @@ line says ``# continues the previous block``; and page by page, every block
 of a page in order in one namespace. (A slow test runs each stand-alone
 block again in a fresh interpreter, with ``XLA_FLAGS`` set only where the
 block itself says to set it.) ```py blocks are illustrations that are
-not run: code for PyTorch or Keras, which the tests do not install.
+not run: code for PyTorch or Keras, which the tests do not install. A
+block that imports a library of OPTIONAL (transformers 4.46.3, the last
+with Flax models: the ``hf`` extra, not the ``test`` one) is skipped, and
+left out of its page's run, where that library is absent.
 
 The site. ``.ci/run`` builds it with ``sphinx-build -W`` (broken
 cross-references and links between pages fail the build) and then runs
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import html.parser
+import importlib.util
 import os
 import pathlib
 import re
@@ -27,6 +31,7 @@ import subprocess
 import sys
 import textwrap
 import urllib.parse
+from collections.abc import Iterable
 
 import pytest
 
@@ -36,6 +41,8 @@ PAGES = sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.parts)
 # The first line of a block that needs an earlier one.
 CONTINUES = re.compile(r"# continues the (previous|first) block\b")
 DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
+# Libraries a block may import that the test extra does not install.
+OPTIONAL = ("transformers",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +84,29 @@ def python_blocks(path: pathlib.Path) -> list[Block]:
             blocks.append(Block(path, start + 1, code, before))
         i += 1
     return blocks
+
+
+def optional_imports(blocks: Iterable[Block]) -> set[str]:
+    """The libraries of OPTIONAL that these blocks import."""
+    return {
+        name
+        for b in blocks
+        for name in OPTIONAL
+        if re.search(rf"^(?:from|import) {name}\b", b.code, re.M)
+    }
+
+
+def absent(blocks: Iterable[Block]) -> set[str]:
+    return {
+        name
+        for name in optional_imports(blocks)
+        if importlib.util.find_spec(name) is None
+    }
+
+
+def skip_if_absent(blocks: Iterable[Block]) -> None:
+    for name in sorted(absent(blocks)):
+        pytest.importorskip(name)
 
 
 BLOCKS = [b for p in PAGES for b in python_blocks(p)]
@@ -135,6 +165,7 @@ def test_blocks_say_what_they_continue_and_need():
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.name)
 def test_block_runs_alone(block, monkeypatch):
     # Alone, or after exactly the blocks its first line names.
+    skip_if_absent([*block.before, block])
     _use_mesh_on_old_jax(monkeypatch)
     run_blocks([*block.before, block])
 
@@ -145,7 +176,8 @@ def test_block_runs_alone(block, monkeypatch):
 )
 def test_page_runs_in_order(path, monkeypatch):
     _use_mesh_on_old_jax(monkeypatch)
-    run_blocks(python_blocks(path))
+    blocks = python_blocks(path)
+    run_blocks([b for b in blocks if not absent([*b.before, b])])
 
 
 def test_a_block_that_continues_does_not_run_alone():
@@ -161,6 +193,7 @@ def test_a_block_that_continues_does_not_run_alone():
 def run_in_a_fresh_interpreter(
     block: Block, cwd: pathlib.Path
 ) -> subprocess.CompletedProcess:
+    skip_if_absent([*block.before, block])
     code = "\n".join(b.code for b in (*block.before, block))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(ROOT)
@@ -203,6 +236,13 @@ def test_the_hugging_face_block_exits_quietly(tmp_path):
     if "transformers" in block.code:
         pytest.importorskip("transformers")
     assert run_in_a_fresh_interpreter(block, tmp_path).stderr == ""
+
+
+def test_the_hugging_face_block_is_the_one_that_needs_transformers():
+    # The control of the skip: only it names an optional library, so a
+    # missing transformers skips it and nothing else.
+    needing = [b.name for b in BLOCKS if optional_imports([b])]
+    assert len(needing) == 1 and "migration.md" in needing[0], needing
 
 
 def test_docs_link_to_existing_pages():
