@@ -26,6 +26,8 @@ LAYERS = [
     ["_classes", "_rules", "_fp8"],
     ["_cast", "_config"],
     ["_islands", "_weights"],
+    ["_plan"],
+    ["_matmul"],
     ["_infer"],
     ["_emit"],
     ["_higher"],

@@ -28,16 +28,20 @@ listed before it; ``tests/test_autocast_table.py`` checks it):
    configuration and the caches.
 3. :mod:`._islands`: float32 islands; :mod:`._weights`: which operand of
    a matmul is its weight, from the dataflow (float8 recipes).
-4. :mod:`._infer`: the first pass, with its tables (:data:`._infer.KINDS`,
+4. :mod:`._plan`: what a plan is made of (modes, nodes, an equation's
+   facts); :mod:`._matmul`: what autocast does with a matmul, in one
+   place (its rules, float8 eligibility and reasons, layers kept out,
+   the float8 emission).
+5. :mod:`._infer`: the first pass, with its tables (:data:`._infer.KINDS`,
    one rule per kind, and :data:`._infer.HIGHER`).
-5. :mod:`._emit`: the second pass, with its table (:data:`._emit.HIGHER`).
-6. :mod:`._higher`: the handlers of higher-order primitives (``jit``,
+6. :mod:`._emit`: the second pass, with its table (:data:`._emit.HIGHER`).
+7. :mod:`._higher`: the handlers of higher-order primitives (``jit``,
    ``scan``, ``while``, ``cond``, ``checkpoint``, ``custom_jvp_call``,
    ``shard_map``), registered into both passes' tables: **a handler for a
    new higher-order primitive is one entry there**.
-7. :mod:`._run`: one call (trace, plan, emit, write NNX state back).
-8. :mod:`._eager`: the wrapper, comparable, and its eager compilation.
-9. :mod:`._api`: :func:`autocast`, :func:`float32_scope` and
+8. :mod:`._run`: one call (trace, plan, emit, write NNX state back).
+9. :mod:`._eager`: the wrapper, comparable, and its eager compilation.
+10. :mod:`._api`: :func:`autocast`, :func:`float32_scope` and
    :func:`compute_scope`;
    :mod:`._report`: :func:`matmuls`, which lists each matmul's dtype.
 

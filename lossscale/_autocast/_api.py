@@ -12,15 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale import _policy
-from lossscale._autocast import _eager, _fp8, _higher, _infer
+from lossscale._autocast import _eager, _fp8, _higher, _plan
 from lossscale._autocast import _rules as R
 from lossscale._autocast._classes import F32_DTYPE
 from lossscale._autocast._config import Config, frozen_items
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-FLOAT32_SCOPE = _infer.FLOAT32_SCOPE
-COMPUTE_SCOPE = _infer.COMPUTE_SCOPE
+FLOAT32_SCOPE = _plan.FLOAT32_SCOPE
+COMPUTE_SCOPE = _plan.COMPUTE_SCOPE
 
 
 def autocast(

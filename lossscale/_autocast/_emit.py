@@ -2,7 +2,7 @@
 
 :func:`emit` evaluates a jaxpr with :func:`lossscale._interpret.run` (the
 core the copy-free skip shares) under the caller's trace, casting each
-equation's float operands to the dtype its :class:`~._infer.Node`'s mode
+equation's float operands to the dtype its :class:`~._plan.Node`'s mode
 names and storing each result in its class's dtype. This pass owns its
 table of higher-order primitives (:data:`HIGHER`), which :mod:`._higher`
 registers into; float32 islands are bound by :mod:`._islands`.
@@ -10,19 +10,18 @@ registers into; float32 islands are bound by :mod:`._islands`.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
 from lossscale import _compat, _interpret
-from lossscale._autocast import _fp8, _islands
+from lossscale._autocast import _islands, _matmul
 from lossscale._autocast._cast import cast, cast_cache, store
 from lossscale._autocast._classes import F32_DTYPE, Cls, class_dtype, is_float
 from lossscale._autocast._config import Call
-from lossscale._autocast._infer import Mode, Node, Plan
+from lossscale._autocast._plan import Mode, Node, Plan
 from lossscale._autocast._rules import TABLE
 
 EmitHigher = Callable[[Call, Any, Node, list[Any]], list[Any]]
@@ -96,7 +95,8 @@ def _equation(call: Call, eqn: Any, node: Node, invals: list[Any]) -> list[Any]:
     if node.mode is Mode.CONVERT:
         return _compat.bind_equation(eqn, invals)
     if node.mode is Mode.FLOAT8:
-        return store(_float8(call, eqn, invals, node.data), node.outs, compute)
+        out = _matmul.emit_float8(call, eqn, invals, node.data)
+        return store(out, node.outs, compute)
     dtype = {Mode.COMPUTE: compute, Mode.FLOAT32: F32_DTYPE}.get(node.mode)
     if node.remat:
         # The backward pass of x ** 3 (or exp x) would keep a float32
@@ -116,48 +116,6 @@ def _equation(call: Call, eqn: Any, node: Node, invals: list[Any]) -> list[Any]:
             )
         )
     return store(bind(eqn, node, invals, dtype), node.outs, compute)
-
-
-def _float8(call: Call, eqn: Any, invals: list[Any], role: Any) -> list:
-    """A matmul in float8: its operands are quantised from the dtypes they
-    are stored in (a float32 weight directly, not through 16 bits);
-    ``role``: which operand is its weight (a :class:`._weights.Role`)."""
-    lhs, rhs = invals
-    with float8_forward_mode(), _compat.equation_context(eqn):
-        return [
-            _fp8.dot_general(
-                lhs,
-                rhs,
-                eqn.params["dimension_numbers"],
-                call.config.float8,
-                out_sharding=eqn.params.get("out_sharding"),
-                weight=role.weight,
-            )
-        ]
-
-
-@contextlib.contextmanager
-def float8_forward_mode() -> Iterator[None]:
-    """JAX's refusal to differentiate a float8 matmul in forward mode,
-    raised inside, as autocast explains it (JAX's ``TypeError`` chained
-    below; any other error unchanged). A ``jax.jit`` of the user's
-    holding one is refused where it is bound, so its emission is wrapped
-    too."""
-    try:
-        yield
-    except TypeError as err:
-        if "forward-mode" not in str(err):
-            raise
-        raise TypeError(
-            "lossscale.autocast with a Float8 recipe: forward-mode "
-            "differentiation (jax.jvp, jax.jacfwd, jax.linearize) of a "
-            "float8 matmul is not supported, since its gradient is a "
-            "jax.custom_vjp (JAX's message is chained below). Keep the "
-            "matmuls 16-bit where you need it: "
-            "lossscale.autocast(fun, lossscale.Float8(...), "
-            "rules={'dot_general': 'compute'}), or use reverse mode "
-            "(jax.grad, jax.vjp, jax.jacrev)."
-        ) from err
 
 
 def bind(eqn: Any, node: Node, invals: Sequence[Any], dtype: Any) -> list[Any]:

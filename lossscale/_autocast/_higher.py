@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from lossscale import _compat
-from lossscale._autocast import _emit, _infer
+from lossscale._autocast import _emit, _infer, _matmul
 from lossscale._autocast._cast import as_class, dtype_of, store, strong
 from lossscale._autocast._classes import (
     Cls,
@@ -38,7 +38,7 @@ from lossscale._autocast._classes import (
     of_value,
 )
 from lossscale._autocast._config import Call, Config, JaxprCache
-from lossscale._autocast._infer import Mode, Node, Plan
+from lossscale._autocast._plan import Mode, Node, Plan
 
 _FITS_SIZE = 1 << 16
 
@@ -194,7 +194,7 @@ def _call_emit(call: Call, eqn: Any, node: Node, invals: list[Any]) -> list:
     )
     if call.config.float8 is None:
         return _compat.rebind(eqn, args, jaxpr=new)
-    with _emit.float8_forward_mode():
+    with _matmul.float8_forward_mode():
         return _compat.rebind(eqn, args, jaxpr=new)
 
 

@@ -38,9 +38,7 @@ flow from readers to writers, each only ever turning from false to true
 
 from __future__ import annotations
 
-import enum
 import math
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -48,91 +46,35 @@ import jax
 import numpy as np
 
 from lossscale import _compat
-from lossscale._autocast import _islands, _weights
+from lossscale._autocast import _islands, _matmul, _weights
 from lossscale._autocast import _rules as R
 from lossscale._autocast._classes import (
     Cls,
     Info,
     is_float,
     of_conversion,
-    of_dtype,
     of_value,
 )
 from lossscale._autocast._config import Config, JaxprCache
+from lossscale._autocast._plan import (
+    CONVERT,
+    ROUNDING,
+    EqnFacts,
+    KindArgs,
+    Mode,
+    Node,
+    Plan,
+    eqn_facts,
+    make_node,
+    traced,
+)
 
-FLOAT32_SCOPE = "lossscale_float32"
-COMPUTE_SCOPE = "lossscale_compute"
-
-
-def _scope_re(name: str) -> re.Pattern[str]:
-    """A named scope in a name stack, under any transformation."""
-    return re.compile(r"(?:^|[/(])" + name + r"(?:$|[/)])")
-
-
-_SCOPE_RE = _scope_re(FLOAT32_SCOPE)
-_COMPUTE_RE = _scope_re(COMPUTE_SCOPE)
 # Constants larger than this are not computed at trace time.
 FOLD_SIZE = 4096
-_NAMED = _compat.primitives_named(["convert_element_type", "mul", "div"])
-_CONVERT = _NAMED["convert_element_type"]
+_NAMED = _compat.primitives_named(["mul", "div"])
 # A product with a literal, or a quotient by one, keeps nothing for the
 # backward pass (its derivative is the same scaling of the tangent).
 _SCALINGS = {_NAMED["mul"]: (0, 1), _NAMED["div"]: (1,)}
-
-
-class Mode(enum.Enum):
-    """How an equation's float operands are cast before it is bound."""
-
-    COMPUTE = "compute"  # to the compute dtype
-    FLOAT8 = "float8"  # a matmul: quantised to float8 (._fp8)
-    FLOAT32 = "float32"  # to float32
-    TRACED = "traced"  # to the dtypes it was traced with
-    CONVERT = "convert"  # an explicit cast of the program: kept
-    HIGHER = "higher"  # a handler of ._higher emits it from ``data``
-
-
-# The modes in which a matmul rounds its operands (to the compute dtype,
-# or to float8 from whatever dtype they have).
-_ROUNDING = frozenset({Mode.COMPUTE, Mode.FLOAT8})
-
-
-class Node(NamedTuple):
-    """The plan of one equation.
-
-    ``outs``: the classes of its results, which the emitted values are
-    stored in. ``reads32``: per operand, whether the equation reads it in
-    float32. ``remat``: its derivative is recomputed from its operands.
-    ``data``: a higher-order equation's plans (:mod:`._higher`); for a
-    float8 matmul, its :class:`._weights.Role`; for a matmul kept out of
-    float8, why.
-    """
-
-    mode: Mode
-    ins: tuple[Cls, ...]
-    outs: tuple[Cls, ...]
-    reads32: tuple[bool, ...]
-    data: Any = None
-    remat: bool = False
-
-
-class Plan(NamedTuple):
-    nodes: Mapping[Any, Node]
-    consts: tuple[Cls, ...]
-    ins: tuple[Cls, ...]
-    outs: tuple[Cls, ...]
-    reads32: tuple[bool, ...]  # per input: read in float32 inside
-    demanded: tuple[bool, ...]  # per input: reaches a float32 operation
-    islands: Mapping[int, int]  # float32 islands: first index -> end
-    pure: bool  # only elementwise equations: may be part of an island
-    exact: bool  # only data movement, selection and max/min
-    # The user's overrides it applied, and the functions it called (by
-    # name), its sub-plans' included.
-    used: frozenset[tuple[str, str]] = frozenset()
-    functions: frozenset[str] = frozenset()
-    # The equations of islands bound before their checkpoint.
-    outside: frozenset[Any] = frozenset()
-    # Under a float8 recipe, what the dataflow says each matmul is.
-    roles: Mapping[Any, _weights.Role] = {}
 
 
 # --- the table of higher-order primitives ----------------------------------
@@ -158,47 +100,6 @@ def register(primitive: Any, infer: InferHigher, *, island: bool) -> None:
 
 
 # --- what a jaxpr's equations are, whatever the classes --------------------
-
-
-class EqnFacts(NamedTuple):
-    scoped: bool  # traced inside float32_scope
-    function: str | None  # the name of the function it calls
-    record: R.Record | None  # its default record
-    matmul: bool
-    moves: bool  # moves or selects values (an explicit cast included)
-    float_in: tuple[bool, ...]  # per operand: a float
-    float32_in: tuple[bool, ...]  # per operand: traced in float32
-    float_out: tuple[bool, ...]  # per result: a float
-
-
-def in_float32_scope(eqn: Any) -> bool:
-    """Traced inside :func:`lossscale.float32_scope`, under any
-    transformation (``vmap(lossscale_float32)``, ``transpose(jvp(...))``)."""
-    return _SCOPE_RE.search(_compat.name_stack(eqn)) is not None
-
-
-def in_compute_scope(eqn: Any) -> bool:
-    """Traced inside :func:`lossscale.compute_scope`."""
-    return _COMPUTE_RE.search(_compat.name_stack(eqn)) is not None
-
-
-def eqn_facts(eqn: Any) -> EqnFacts:
-    """What an equation is, whatever the classes."""
-    record = R.TABLE.get(eqn.primitive)
-    return EqnFacts(
-        scoped=in_float32_scope(eqn),
-        function=_compat.function_name(eqn),
-        record=record,
-        matmul=record is not None and record.kind is R.Kind.MATMUL,
-        moves=(record is not None and record.moves)
-        or eqn.primitive is _CONVERT,
-        float_in=tuple(is_float(a.aval.dtype) for a in eqn.invars),
-        float32_in=tuple(
-            is_float(a.aval.dtype) and np.dtype(a.aval.dtype) == np.float32
-            for a in eqn.invars
-        ),
-        float_out=tuple(is_float(v.aval.dtype) for v in eqn.outvars),
-    )
 
 
 class JaxprFacts:
@@ -574,7 +475,7 @@ def _unrounded(
     for eqn, _ in jf.readers.get(var, ()):
         node = nodes[eqn]
         ef = jf.of[eqn]
-        if node.mode in _ROUNDING and ef.matmul:
+        if node.mode in ROUNDING and ef.matmul:
             found = True
             continue
         exact = (ef.moves and node.mode is not Mode.CONVERT) or (
@@ -643,7 +544,7 @@ def _member(jf: JaxprFacts, eqn: Any, node: Node) -> bool:
         return HIGHER[eqn.primitive].island and all(
             p.pure for p in node.data.plans
         )
-    if eqn.primitive is _CONVERT:
+    if eqn.primitive is CONVERT:
         return True
     return (
         node.mode is not Mode.HIGHER
@@ -658,7 +559,7 @@ def _keeps(jf: JaxprFacts, eqn: Any, node: Node) -> bool:
     backward pass (a float32 island without one needs no checkpoint)."""
     if node.mode is Mode.HIGHER:
         return True
-    if eqn.primitive is _CONVERT:
+    if eqn.primitive is CONVERT:
         return False
     literal = _SCALINGS.get(eqn.primitive)
     if literal is not None:
@@ -686,45 +587,6 @@ def _exact(jf: JaxprFacts, nodes: Mapping[Any, Node]) -> bool:
 
 
 # --- one equation -----------------------------------------------------------
-
-
-def make_node(
-    eqn: Any,
-    mode: Mode,
-    infos: Sequence[Info],
-    outs: Sequence[Cls],
-    remat: bool = False,
-    ef: EqnFacts | None = None,
-) -> Node:
-    """A first-order equation's node: which operands it reads in float32
-    follows from its mode."""
-    ef = eqn_facts(eqn) if ef is None else ef
-    classes = tuple(i.cls for i in infos)
-    if mode is Mode.FLOAT32:
-        flags = ef.float_in
-    elif mode is Mode.TRACED:
-        flags = ef.float32_in
-    else:
-        flags = None
-    if flags is None:
-        reads32 = (False,) * len(infos)
-    else:
-        reads32 = tuple(
-            f and c != Cls.KEEP for f, c in zip(flags, classes, strict=True)
-        )
-    return Node(mode, classes, tuple(outs), reads32, None, remat)
-
-
-def traced(
-    eqn: Any,
-    infos: Sequence[Info],
-    compute: np.dtype,
-    ef: EqnFacts | None = None,
-) -> tuple[Node, list[Info]]:
-    """The equation at the dtypes it was traced with."""
-    outs = [of_dtype(v.aval.dtype, compute) for v in eqn.outvars]
-    node = make_node(eqn, Mode.TRACED, infos, outs, ef=ef)
-    return node, [Info(c) for c in outs]
 
 
 def function_rule(config: Config, name: str | None) -> R.FunctionRule | None:
@@ -838,176 +700,6 @@ def _fold(
     return values
 
 
-class KindArgs(NamedTuple):
-    """What a kind's rule decides from: the equation, its operands'
-    classes, which results are floats, and the backward facts of its
-    results."""
-
-    eqn: Any
-    record: R.Record
-    infos: list[Info]
-    floats: set[Cls]
-    float_outs: list[bool]
-    only32: list[bool]
-    demanded: list[bool]
-    unrounded: list[bool]
-    compute: np.dtype
-    float8: Any
-    facts: EqnFacts
-    role: _weights.Role | None  # a matmul's, under a float8 recipe
-    used: set[tuple[str, str]]  # the overrides the plan applied
-
-    def result(
-        self, mode: Mode, cls: Cls, remat: bool = False
-    ) -> tuple[Node, list[Info]]:
-        outs = [cls if f else Cls.KEEP for f in self.float_outs]
-        node = make_node(self.eqn, mode, self.infos, outs, remat, self.facts)
-        return node, [Info(c) for c in outs]
-
-
-def _matmul(a: KindArgs) -> tuple[Node, list[Info]]:
-    eqn = a.eqn
-    if _compat.explicit_precision(eqn):
-        # precision=HIGHEST (or HIGH) asks for float32 products.
-        return traced(eqn, a.infos, a.compute)
-    if _wide_result(eqn):
-        # The program asked for a result wider than its operands (16-bit
-        # attention scores accumulated to float32): kept.
-        out = of_dtype(eqn.params["preferred_element_type"], a.compute)
-        if out != Cls.F32:
-            return traced(eqn, a.infos, a.compute)
-        return a.result(Mode.COMPUTE, Cls.F32)
-    return a.result(Mode.COMPUTE, Cls.LOW)
-
-
-def _wide_result(eqn: Any) -> bool:
-    """A matmul whose traced ``preferred_element_type`` is wider than its
-    float operands."""
-    wanted = eqn.params.get("preferred_element_type")
-    if wanted is None or not is_float(wanted):
-        return False
-    widths = [
-        np.dtype(v.aval.dtype).itemsize
-        for v in eqn.invars
-        if is_float(v.aval.dtype)
-    ]
-    return bool(widths) and np.dtype(wanted).itemsize > max(widths)
-
-
-def _parts(name: str) -> list[str]:
-    return [p for p in re.split(r"[./()]", name) if p]
-
-
-def matches(pattern: str, names: Sequence[str]) -> bool:
-    """Whether ``pattern``'s parts (``"layers.1"``: ``layers``, ``1``) are
-    consecutive parts of one of ``names`` (a weight's path, a named scope
-    ``"outer/inner"``): ``"layers.1"`` is in ``"layers.1.kernel"``, not in
-    ``"layers.10.kernel"``; ``"head"`` not in ``"lm_head"``."""
-    want = _parts(pattern)
-    n = len(want)
-    for name in names:
-        parts = _parts(name)
-        if any(parts[i : i + n] == want for i in range(len(parts) - n + 1)):
-            return True
-    return False
-
-
-def excluded_by(eqn: Any, float8: Any, role: _weights.Role | None) -> str:
-    """The first of ``float8.exclude`` that names the matmul's weight path,
-    a scope it was traced in, or the function that calls it (``""``:
-    none)."""
-    if not float8.exclude:
-        return ""
-    names = [_compat.name_stack(eqn), _compat.function_name(eqn) or ""]
-    if role is not None and role.weight is not None:
-        names.extend(role.leaves)
-    for pattern in float8.exclude:
-        if matches(pattern, names):
-            return pattern
-    return ""
-
-
-def _kept_out(planning: _Planning, eqn: Any, config: Config) -> bool:
-    """Whether a higher-order equation's matmuls are kept out of float8:
-    traced in :func:`lossscale.compute_scope`, or a function or scope that
-    ``exclude`` names (noted as used)."""
-    if config.float8 is None:
-        return False
-    if in_compute_scope(eqn):
-        return True
-    pattern = excluded_by(eqn, config.float8, None)
-    if pattern:
-        planning.used.add(("exclude", pattern))
-    return bool(pattern)
-
-
-def float8_ineligible(
-    eqn: Any, float8: Any, role: _weights.Role | None = None
-) -> str | None:
-    """Why a ``dot_general`` of the float8 kind runs in the 16-bit
-    compute dtype instead (``None``: it runs in float8). ``role``: what
-    the dataflow says it is (``None``: not known, and the weight is taken
-    to be the rhs)."""
-    if not all(is_float(v.aval.dtype) for v in eqn.invars):
-        return "an operand that is not floating point"
-    if _compat.explicit_precision(eqn):
-        return "precision above DEFAULT"
-    if _wide_result(eqn):
-        return "a preferred_element_type wider than its operands"
-    if in_compute_scope(eqn):
-        return "compute_scope"
-    pattern = excluded_by(eqn, float8, role)
-    if pattern:
-        return f"Float8(exclude=...): {pattern!r}"
-    weight = None
-    if role is not None:
-        weight = role.weight
-        both = role.reason == "both" and float8.batched
-        if weight is None and not both:
-            return _weights.REASONS[str(role.reason)]
-    lhs, rhs = (v.aval.shape for v in eqn.invars)
-    return float8.ineligible(
-        lhs, rhs, eqn.params["dimension_numbers"], weight=weight
-    )
-
-
-_GRADIENT_TRACED = (
-    "lossscale.autocast with a Float8 recipe traced a derivative's matmul "
-    "(autocast(jax.grad(f), Float8(...)), jax.jacfwd, or a jax.grad "
-    "inside the function): it would run as a forward matmul, without the "
-    "recipe's backward formats (tensorwise's e5m2 output gradient, "
-    "rowwise_with_gw_hp's 16-bit weight gradient). Differentiate the "
-    "autocast function instead: jax.grad(lossscale.autocast(f, "
-    "lossscale.Float8(...))); or keep those matmuls 16-bit: "
-    "lossscale.compute_scope() around them, or "
-    "rules={'dot_general': 'compute'} for the whole function."
-)
-_TRANSPOSED = re.compile(r"(?:^|[/(])(?:transpose|jvp)\(")
-
-
-def _float8(a: KindArgs) -> tuple[Node, list[Info]]:
-    pattern = excluded_by(a.eqn, a.float8, a.role)
-    if pattern:
-        a.used.add(("exclude", pattern))
-    if (
-        _TRANSPOSED.search(_compat.name_stack(a.eqn))
-        and not pattern
-        and not in_compute_scope(a.eqn)
-    ):
-        # Whether it would run in float8 or not: its format would not be
-        # the recipe's backward one either way.
-        raise TypeError(_GRADIENT_TRACED)
-    reason = float8_ineligible(a.eqn, a.float8, a.role)
-    if reason is not None:
-        node, outs = _matmul(a)
-        return node._replace(data=reason), outs
-    node, outs = a.result(Mode.FLOAT8, Cls.LOW)
-    role = a.role
-    if role is None or role.weight is None:  # by position: x @ w
-        role = _weights.Role(1)
-    return node._replace(data=role), outs
-
-
 def _bounded(a: KindArgs) -> tuple[Node, list[Info]]:
     # Computed in float32 from a float32 operand, and kept in float32
     # where a float32 operation reads it.
@@ -1045,8 +737,8 @@ def _promote(a: KindArgs) -> tuple[Node, list[Info]]:
 
 
 KINDS: dict[R.Kind, Callable[[KindArgs], tuple[Node, list[Info]]]] = {
-    R.Kind.MATMUL: _matmul,
-    R.Kind.FLOAT8: _float8,
+    R.Kind.MATMUL: _matmul.matmul_rule,
+    R.Kind.FLOAT8: _matmul.float8_rule,
     R.Kind.BOUNDED: _bounded,
     R.Kind.FLOAT32: _float32,
     R.Kind.PROMOTE: _promote,
@@ -1068,7 +760,8 @@ def _forward(
     if ef.scoped or eqn in planning.as_traced:
         if config.float8 is not None and ef.matmul:
             # Kept in float32 all the same: an exclude naming it matched.
-            pattern = excluded_by(eqn, config.float8, planning.roles.get(eqn))
+            role = planning.roles.get(eqn)
+            pattern = _matmul.excluded_by(eqn, config.float8, role)
             if pattern:
                 planning.used.add(("exclude", pattern))
         return traced(eqn, infos, compute, ef)
@@ -1081,7 +774,9 @@ def _forward(
             planning.used.add(("function", ef.function))
         if rule in ("float32", "original") or higher is None:
             return traced(eqn, infos, compute, ef)  # custom_vjp: run whole
-        if rule == "compute" or _kept_out(planning, eqn, config):
+        if rule == "compute" or _matmul.kept_out(
+            eqn, config.float8, planning.used
+        ):
             config = config.sixteen_bit
         with _weights.at(planning.sites.get(eqn, {})):
             node = higher.infer(config, eqn, infos, only32, demanded)
@@ -1089,7 +784,7 @@ def _forward(
     floats = {i.cls for i, f in zip(infos, ef.float_in, strict=True) if f}
     if Cls.KEEP in floats:
         return traced(eqn, infos, compute, ef)
-    if eqn.primitive is _CONVERT:
+    if eqn.primitive is CONVERT:
         return _convert(planning, eqn, infos, compute)
     record, override = config.record(eqn.primitive)
     if override is not None:
@@ -1153,20 +848,3 @@ def _convert(
         out = Cls.KEEP
     node = Node(Mode.CONVERT, (info.cls,), (out,), (False,))
     return node, [Info(out, value)]
-
-
-def float8_summary(plan: Plan) -> tuple[int, list[str]]:
-    """How many float8 matmuls a plan runs (its sub-plans' included), and
-    why each matmul of the float8 kind it keeps 16-bit does."""
-    count, reasons = 0, []
-    for node in plan.nodes.values():
-        if node.mode is Mode.FLOAT8:
-            count += 1
-        elif node.mode is Mode.HIGHER:
-            for sub in node.data.plans:
-                n, why = float8_summary(sub)
-                count += n
-                reasons.extend(why)
-        elif isinstance(node.data, str):
-            reasons.append(node.data)
-    return count, reasons

@@ -8,7 +8,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from lossscale import _compat
-from lossscale._autocast import _eager, _infer, _run, _weights
+from lossscale._autocast import _eager, _plan, _run, _weights
+from lossscale._autocast import _matmul as _matmul_rules
 from lossscale._autocast._classes import Cls
 
 
@@ -110,16 +111,16 @@ def _join(*parts: str) -> str:
 
 def _walk(plan: Any, place: _Place) -> Iterator[Matmul]:
     for eqn, node in plan.nodes.items():
-        if node.mode is _infer.Mode.HIGHER:
+        if node.mode is _plan.Mode.HIGHER:
             inner = _inside(eqn, place)
             for sub in node.data.plans:
                 yield from _walk(sub, inner)
-        elif node.mode is _infer.Mode.TRACED and _compat.sub_jaxprs(eqn):
+        elif node.mode is _plan.Mode.TRACED and _compat.sub_jaxprs(eqn):
             yield from _as_traced(
                 eqn, _why_traced(eqn, place.config), _inside(eqn, place)
             )
-        elif _infer.eqn_facts(eqn).matmul:
-            yield _matmul(
+        elif _plan.eqn_facts(eqn).matmul:
+            yield _listed(
                 eqn,
                 _dtype(eqn, node, place.config),
                 _why(eqn, node, place),
@@ -148,9 +149,9 @@ def _inside(eqn: Any, place: _Place) -> _Place:
     why = None
     if rule == "compute":
         why = f"function_rules[{name!r}]: 'compute'"
-    elif _infer.in_compute_scope(eqn):
+    elif _plan.in_compute_scope(eqn):
         why = "compute_scope"
-    elif pattern := _infer.excluded_by(eqn, float8, None):
+    elif pattern := _matmul_rules.excluded_by(eqn, float8, None):
         why = f"Float8(exclude=...): {pattern!r}"
     if why is None:
         return place._replace(where=where)
@@ -163,12 +164,12 @@ def _as_traced(eqn: Any, why: str, place: _Place) -> Iterator[Matmul]:
         for inner in sub.eqns:
             if _compat.sub_jaxprs(inner):
                 yield from _as_traced(inner, why, _inside(inner, place))
-            elif _infer.eqn_facts(inner).matmul:
+            elif _plan.eqn_facts(inner).matmul:
                 dtype = str(np.dtype(inner.invars[0].aval.dtype))
-                yield _matmul(inner, dtype, why, place)
+                yield _listed(inner, dtype, why, place)
 
 
-def _matmul(
+def _listed(
     eqn: Any, dtype: str, why: str, place: _Place, weight: str = ""
 ) -> Matmul:
     return Matmul(
@@ -183,15 +184,15 @@ def _matmul(
 
 
 def _dtype(eqn: Any, node: Any, config: Any) -> str:
-    if node.mode is _infer.Mode.FLOAT8:
+    if node.mode is _plan.Mode.FLOAT8:
         return str(config.float8.row.input.dtype)  # the forward operands
-    if node.mode is _infer.Mode.COMPUTE:
+    if node.mode is _plan.Mode.COMPUTE:
         return str(np.dtype(config.compute))
     return str(np.dtype(eqn.invars[0].aval.dtype))
 
 
 def _why_traced(eqn: Any, config: Any) -> str:
-    if _infer.eqn_facts(eqn).scoped:
+    if _plan.eqn_facts(eqn).scoped:
         return "float32_scope"
     name = _compat.function_name(eqn)
     rule = None if name is None else config.function_rule(name)
@@ -202,12 +203,12 @@ def _why_traced(eqn: Any, config: Any) -> str:
 
 def _why(eqn: Any, node: Any, place: _Place) -> str:
     config = place.config
-    if node.mode is _infer.Mode.FLOAT8:
+    if node.mode is _plan.Mode.FLOAT8:
         return "float8"
     if isinstance(node.data, str):
         return node.data  # a float8 matmul that could not be
-    if node.mode is _infer.Mode.TRACED:
-        if _infer.eqn_facts(eqn).scoped:
+    if node.mode is _plan.Mode.TRACED:
+        if _plan.eqn_facts(eqn).scoped:
             return "float32_scope"
         if _compat.explicit_precision(eqn):
             return "precision above DEFAULT"

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale import _compat, _interop
-from lossscale._autocast import _emit, _higher, _infer, _weights
+from lossscale._autocast import _emit, _higher, _infer, _matmul, _weights
 from lossscale._autocast._cast import cast as cast_to
 from lossscale._autocast._cast import dtype_of, store
 from lossscale._autocast._classes import F32_DTYPE, Cls, is_float
@@ -295,7 +295,7 @@ def call(
         isinstance(c, jax.Array) and not _compat.is_tracer(c)
         for c in t.closed.consts
     )
-    count, reasons = _infer.float8_summary(t.plan)
+    count, reasons = _matmul.float8_summary(t.plan)
     return Result(
         value,
         t.plan.used,

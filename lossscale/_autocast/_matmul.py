@@ -1,0 +1,240 @@
+"""What autocast does with a matmul, in one place: its 16-bit rule, its
+float8 eligibility and the reasons it gives (read by
+:func:`lossscale.matmuls`), the layers kept out, the refusal of a
+derivative traced inside, the float8 emission and its forward-mode
+error, and how many float8 matmuls a plan runs.
+
+The kinds' rules (:func:`matmul_rule`, :func:`float8_rule`) are the
+inference pass's (:data:`._infer.KINDS`); which operand is the weight is
+:mod:`._weights`'s; the float8 kernel is :mod:`._fp8`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from lossscale import _compat
+from lossscale._autocast import _fp8, _weights
+from lossscale._autocast._classes import Cls, Info, is_float, of_dtype
+from lossscale._autocast._plan import (
+    KindArgs,
+    Mode,
+    Node,
+    Plan,
+    in_compute_scope,
+    traced,
+)
+
+
+def matmul_rule(a: KindArgs) -> tuple[Node, list[Info]]:
+    """A matmul's (or convolution's) rule: in the 16-bit compute dtype,
+    unless its traced precision or result type asks for float32."""
+    eqn = a.eqn
+    if _compat.explicit_precision(eqn):
+        # precision=HIGHEST (or HIGH) asks for float32 products.
+        return traced(eqn, a.infos, a.compute)
+    if wide_result(eqn):
+        # The program asked for a result wider than its operands (16-bit
+        # attention scores accumulated to float32): kept.
+        out = of_dtype(eqn.params["preferred_element_type"], a.compute)
+        if out != Cls.F32:
+            return traced(eqn, a.infos, a.compute)
+        return a.result(Mode.COMPUTE, Cls.F32)
+    return a.result(Mode.COMPUTE, Cls.LOW)
+
+
+def wide_result(eqn: Any) -> bool:
+    """A matmul whose traced ``preferred_element_type`` is wider than its
+    float operands."""
+    wanted = eqn.params.get("preferred_element_type")
+    if wanted is None or not is_float(wanted):
+        return False
+    widths = [
+        np.dtype(v.aval.dtype).itemsize
+        for v in eqn.invars
+        if is_float(v.aval.dtype)
+    ]
+    return bool(widths) and np.dtype(wanted).itemsize > max(widths)
+
+
+def _parts(name: str) -> list[str]:
+    return [p for p in re.split(r"[./()]", name) if p]
+
+
+def matches(pattern: str, names: Sequence[str]) -> bool:
+    """Whether ``pattern``'s parts (``"layers.1"``: ``layers``, ``1``) are
+    consecutive parts of one of ``names`` (a weight's path, a named scope
+    ``"outer/inner"``): ``"layers.1"`` is in ``"layers.1.kernel"``, not in
+    ``"layers.10.kernel"``; ``"head"`` not in ``"lm_head"``."""
+    want = _parts(pattern)
+    n = len(want)
+    for name in names:
+        parts = _parts(name)
+        if any(parts[i : i + n] == want for i in range(len(parts) - n + 1)):
+            return True
+    return False
+
+
+def excluded_by(eqn: Any, float8: Any, role: _weights.Role | None) -> str:
+    """The first of ``float8.exclude`` that names the matmul's weight path,
+    a scope it was traced in, or the function that calls it (``""``:
+    none)."""
+    if not float8.exclude:
+        return ""
+    names = [_compat.name_stack(eqn), _compat.function_name(eqn) or ""]
+    if role is not None and role.weight is not None:
+        names.extend(role.leaves)
+    for pattern in float8.exclude:
+        if matches(pattern, names):
+            return pattern
+    return ""
+
+
+def kept_out(eqn: Any, float8: Any, used: set[tuple[str, str]]) -> bool:
+    """Whether a higher-order equation's matmuls are kept out of float8
+    (``float8``: the recipe, or ``None``): traced in
+    :func:`lossscale.compute_scope`, or a function or scope that
+    ``exclude`` names (noted in ``used``)."""
+    if float8 is None:
+        return False
+    if in_compute_scope(eqn):
+        return True
+    pattern = excluded_by(eqn, float8, None)
+    if pattern:
+        used.add(("exclude", pattern))
+    return bool(pattern)
+
+
+def float8_ineligible(
+    eqn: Any, float8: Any, role: _weights.Role | None = None
+) -> str | None:
+    """Why a ``dot_general`` of the float8 kind runs in the 16-bit
+    compute dtype instead (``None``: it runs in float8). ``role``: what
+    the dataflow says it is (``None``: not known, and the weight is taken
+    to be the rhs)."""
+    if not all(is_float(v.aval.dtype) for v in eqn.invars):
+        return "an operand that is not floating point"
+    if _compat.explicit_precision(eqn):
+        return "precision above DEFAULT"
+    if wide_result(eqn):
+        return "a preferred_element_type wider than its operands"
+    if in_compute_scope(eqn):
+        return "compute_scope"
+    pattern = excluded_by(eqn, float8, role)
+    if pattern:
+        return f"Float8(exclude=...): {pattern!r}"
+    weight = None
+    if role is not None:
+        weight = role.weight
+        both = role.reason == "both" and float8.batched
+        if weight is None and not both:
+            return _weights.REASONS[str(role.reason)]
+    lhs, rhs = (v.aval.shape for v in eqn.invars)
+    return float8.ineligible(
+        lhs, rhs, eqn.params["dimension_numbers"], weight=weight
+    )
+
+
+GRADIENT_TRACED = (
+    "lossscale.autocast with a Float8 recipe traced a derivative's matmul "
+    "(autocast(jax.grad(f), Float8(...)), jax.jacfwd, or a jax.grad "
+    "inside the function): it would run as a forward matmul, without the "
+    "recipe's backward formats (tensorwise's e5m2 output gradient, "
+    "rowwise_with_gw_hp's 16-bit weight gradient). Differentiate the "
+    "autocast function instead: jax.grad(lossscale.autocast(f, "
+    "lossscale.Float8(...))); or keep those matmuls 16-bit: "
+    "lossscale.compute_scope() around them, or "
+    "rules={'dot_general': 'compute'} for the whole function."
+)
+TRANSPOSED = re.compile(r"(?:^|[/(])(?:transpose|jvp)\(")
+
+
+def float8_rule(a: KindArgs) -> tuple[Node, list[Info]]:
+    """A ``dot_general``'s rule under a float8 recipe: float8 where it is
+    a linear layer the recipe takes (its node's data is its
+    :class:`._weights.Role`), else :func:`matmul_rule` with the reason;
+    refused where it is a derivative's."""
+    pattern = excluded_by(a.eqn, a.float8, a.role)
+    if pattern:
+        a.used.add(("exclude", pattern))
+    if (
+        TRANSPOSED.search(_compat.name_stack(a.eqn))
+        and not pattern
+        and not in_compute_scope(a.eqn)
+    ):
+        # Whether it would run in float8 or not: its format would not be
+        # the recipe's backward one either way.
+        raise TypeError(GRADIENT_TRACED)
+    reason = float8_ineligible(a.eqn, a.float8, a.role)
+    if reason is not None:
+        node, outs = matmul_rule(a)
+        return node._replace(data=reason), outs
+    node, outs = a.result(Mode.FLOAT8, Cls.LOW)
+    role = a.role
+    if role is None or role.weight is None:  # by position: x @ w
+        role = _weights.Role(1)
+    return node._replace(data=role), outs
+
+
+def float8_summary(plan: Plan) -> tuple[int, list[str]]:
+    """How many float8 matmuls a plan runs (its sub-plans' included), and
+    why each matmul of the float8 kind it keeps 16-bit does."""
+    count, reasons = 0, []
+    for node in plan.nodes.values():
+        if node.mode is Mode.FLOAT8:
+            count += 1
+        elif node.mode is Mode.HIGHER:
+            for sub in node.data.plans:
+                n, why = float8_summary(sub)
+                count += n
+                reasons.extend(why)
+        elif isinstance(node.data, str):
+            reasons.append(node.data)
+    return count, reasons
+
+
+def emit_float8(call: Any, eqn: Any, invals: list[Any], role: Any) -> list:
+    """A matmul in float8: its operands are quantised from the dtypes they
+    are stored in (a float32 weight directly, not through 16 bits);
+    ``role``: which operand is its weight (a :class:`._weights.Role`)."""
+    lhs, rhs = invals
+    with float8_forward_mode(), _compat.equation_context(eqn):
+        return [
+            _fp8.dot_general(
+                lhs,
+                rhs,
+                eqn.params["dimension_numbers"],
+                call.config.float8,
+                out_sharding=eqn.params.get("out_sharding"),
+                weight=role.weight,
+            )
+        ]
+
+
+@contextlib.contextmanager
+def float8_forward_mode() -> Iterator[None]:
+    """JAX's refusal to differentiate a float8 matmul in forward mode,
+    raised inside, as autocast explains it (JAX's ``TypeError`` chained
+    below; any other error unchanged). A ``jax.jit`` of the user's
+    holding one is refused where it is bound, so its emission is wrapped
+    too."""
+    try:
+        yield
+    except TypeError as err:
+        if "forward-mode" not in str(err):
+            raise
+        raise TypeError(
+            "lossscale.autocast with a Float8 recipe: forward-mode "
+            "differentiation (jax.jvp, jax.jacfwd, jax.linearize) of a "
+            "float8 matmul is not supported, since its gradient is a "
+            "jax.custom_vjp (JAX's message is chained below). Keep the "
+            "matmuls 16-bit where you need it: "
+            "lossscale.autocast(fun, lossscale.Float8(...), "
+            "rules={'dot_general': 'compute'}), or use reverse mode "
+            "(jax.grad, jax.vjp, jax.jacrev)."
+        ) from err

@@ -1,0 +1,197 @@
+"""What a plan is made of: the modes, nodes and plans of the inference
+pass (:mod:`._infer`), the facts of an equation whatever the classes, and
+the argument of a kind's rule (:class:`KindArgs`).
+
+Below both the inference pass and the matmul rules (:mod:`._matmul`),
+which build these.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from lossscale import _compat
+from lossscale._autocast import _rules as R
+from lossscale._autocast import _weights
+from lossscale._autocast._classes import Cls, Info, is_float, of_dtype
+
+FLOAT32_SCOPE = "lossscale_float32"
+COMPUTE_SCOPE = "lossscale_compute"
+
+
+def _scope_re(name: str) -> re.Pattern[str]:
+    """A named scope in a name stack, under any transformation."""
+    return re.compile(r"(?:^|[/(])" + name + r"(?:$|[/)])")
+
+
+_SCOPE_RE = _scope_re(FLOAT32_SCOPE)
+_COMPUTE_RE = _scope_re(COMPUTE_SCOPE)
+CONVERT = _compat.primitives_named(["convert_element_type"])[
+    "convert_element_type"
+]
+
+
+class Mode(enum.Enum):
+    """How an equation's float operands are cast before it is bound."""
+
+    COMPUTE = "compute"  # to the compute dtype
+    FLOAT8 = "float8"  # a matmul: quantised to float8 (._fp8)
+    FLOAT32 = "float32"  # to float32
+    TRACED = "traced"  # to the dtypes it was traced with
+    CONVERT = "convert"  # an explicit cast of the program: kept
+    HIGHER = "higher"  # a handler of ._higher emits it from ``data``
+
+
+# The modes in which a matmul rounds its operands (to the compute dtype,
+# or to float8 from whatever dtype they have).
+ROUNDING = frozenset({Mode.COMPUTE, Mode.FLOAT8})
+
+
+class Node(NamedTuple):
+    """The plan of one equation.
+
+    ``outs``: the classes of its results, which the emitted values are
+    stored in. ``reads32``: per operand, whether the equation reads it in
+    float32. ``remat``: its derivative is recomputed from its operands.
+    ``data``: a higher-order equation's plans (:mod:`._higher`); for a
+    float8 matmul, its :class:`._weights.Role`; for a matmul kept out of
+    float8, why.
+    """
+
+    mode: Mode
+    ins: tuple[Cls, ...]
+    outs: tuple[Cls, ...]
+    reads32: tuple[bool, ...]
+    data: Any = None
+    remat: bool = False
+
+
+class Plan(NamedTuple):
+    nodes: Mapping[Any, Node]
+    consts: tuple[Cls, ...]
+    ins: tuple[Cls, ...]
+    outs: tuple[Cls, ...]
+    reads32: tuple[bool, ...]  # per input: read in float32 inside
+    demanded: tuple[bool, ...]  # per input: reaches a float32 operation
+    islands: Mapping[int, int]  # float32 islands: first index -> end
+    pure: bool  # only elementwise equations: may be part of an island
+    exact: bool  # only data movement, selection and max/min
+    # The user's overrides it applied, and the functions it called (by
+    # name), its sub-plans' included.
+    used: frozenset[tuple[str, str]] = frozenset()
+    functions: frozenset[str] = frozenset()
+    # The equations of islands bound before their checkpoint.
+    outside: frozenset[Any] = frozenset()
+    # Under a float8 recipe, what the dataflow says each matmul is.
+    roles: Mapping[Any, _weights.Role] = {}
+
+
+class EqnFacts(NamedTuple):
+    scoped: bool  # traced inside float32_scope
+    function: str | None  # the name of the function it calls
+    record: R.Record | None  # its default record
+    matmul: bool
+    moves: bool  # moves or selects values (an explicit cast included)
+    float_in: tuple[bool, ...]  # per operand: a float
+    float32_in: tuple[bool, ...]  # per operand: traced in float32
+    float_out: tuple[bool, ...]  # per result: a float
+
+
+def in_float32_scope(eqn: Any) -> bool:
+    """Traced inside :func:`lossscale.float32_scope`, under any
+    transformation (``vmap(lossscale_float32)``, ``transpose(jvp(...))``)."""
+    return _SCOPE_RE.search(_compat.name_stack(eqn)) is not None
+
+
+def in_compute_scope(eqn: Any) -> bool:
+    """Traced inside :func:`lossscale.compute_scope`."""
+    return _COMPUTE_RE.search(_compat.name_stack(eqn)) is not None
+
+
+def eqn_facts(eqn: Any) -> EqnFacts:
+    """What an equation is, whatever the classes."""
+    record = R.TABLE.get(eqn.primitive)
+    return EqnFacts(
+        scoped=in_float32_scope(eqn),
+        function=_compat.function_name(eqn),
+        record=record,
+        matmul=record is not None and record.kind is R.Kind.MATMUL,
+        moves=(record is not None and record.moves) or eqn.primitive is CONVERT,
+        float_in=tuple(is_float(a.aval.dtype) for a in eqn.invars),
+        float32_in=tuple(
+            is_float(a.aval.dtype) and np.dtype(a.aval.dtype) == np.float32
+            for a in eqn.invars
+        ),
+        float_out=tuple(is_float(v.aval.dtype) for v in eqn.outvars),
+    )
+
+
+def make_node(
+    eqn: Any,
+    mode: Mode,
+    infos: Sequence[Info],
+    outs: Sequence[Cls],
+    remat: bool = False,
+    ef: EqnFacts | None = None,
+) -> Node:
+    """A first-order equation's node: which operands it reads in float32
+    follows from its mode."""
+    ef = eqn_facts(eqn) if ef is None else ef
+    classes = tuple(i.cls for i in infos)
+    if mode is Mode.FLOAT32:
+        flags = ef.float_in
+    elif mode is Mode.TRACED:
+        flags = ef.float32_in
+    else:
+        flags = None
+    if flags is None:
+        reads32 = (False,) * len(infos)
+    else:
+        reads32 = tuple(
+            f and c != Cls.KEEP for f, c in zip(flags, classes, strict=True)
+        )
+    return Node(mode, classes, tuple(outs), reads32, None, remat)
+
+
+def traced(
+    eqn: Any,
+    infos: Sequence[Info],
+    compute: np.dtype,
+    ef: EqnFacts | None = None,
+) -> tuple[Node, list[Info]]:
+    """The equation at the dtypes it was traced with."""
+    outs = [of_dtype(v.aval.dtype, compute) for v in eqn.outvars]
+    node = make_node(eqn, Mode.TRACED, infos, outs, ef=ef)
+    return node, [Info(c) for c in outs]
+
+
+class KindArgs(NamedTuple):
+    """What a kind's rule decides from: the equation, its operands'
+    classes, which results are floats, and the backward facts of its
+    results."""
+
+    eqn: Any
+    record: R.Record
+    infos: list[Info]
+    floats: set[Cls]
+    float_outs: list[bool]
+    only32: list[bool]
+    demanded: list[bool]
+    unrounded: list[bool]
+    compute: np.dtype
+    float8: Any
+    facts: EqnFacts
+    role: _weights.Role | None  # a matmul's, under a float8 recipe
+    used: set[tuple[str, str]]  # the overrides the plan applied
+
+    def result(
+        self, mode: Mode, cls: Cls, remat: bool = False
+    ) -> tuple[Node, list[Info]]:
+        outs = [cls if f else Cls.KEEP for f in self.float_outs]
+        node = make_node(self.eqn, mode, self.infos, outs, remat, self.facts)
+        return node, [Info(c) for c in outs]
