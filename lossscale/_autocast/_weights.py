@@ -19,10 +19,12 @@ data reaches the activation through integers and booleans only (a
 one-hot product, which is an exact gather).
 
 The flow crosses calls, ``scan``, ``while``, ``cond``, ``remat``,
-``shard_map`` and custom derivatives (by their primal function). A
-jaxpr called from several places (one ``jax.jit``-ed layer) is analysed
-with what its calls have in common, the join of their sources: a layer
-called once on a weight and once on an activation is not a linear layer.
+``shard_map`` and custom derivatives (by their primal function). Each
+plan analyses its own jaxpr (:func:`analyse`) for the sources its inputs
+have where it is planned, and hands each higher-order equation's jaxprs
+the sources they have at that equation (:func:`at`): a ``jax.jit``-ed
+layer called with three weights is planned at each call with its own. A
+loop's body is planned for its carry's sources at their fixed point.
 """
 
 from __future__ import annotations
