@@ -157,8 +157,8 @@ class Float8:
     ``lossscale.Float8Recipe``): for each operand of each of a linear
     layer's three GEMMs (the forward product, the input's gradient, the
     weight's gradient), its dtype and whether it is scaled per tensor or
-    per row, in the shape of torchao's ``CastConfig``s. The named ones
-    are torchao's (``Float8LinearConfig.from_recipe_name``):
+    per row, in the shape of torchao's cast configs (``CastConfig``). The
+    named ones are torchao's (``Float8LinearConfig.from_recipe_name``):
 
     - ``"tensorwise"``: one scale per tensor; ``e4m3`` operands forward,
       and backward the output gradient in ``float8_e5m2`` (max 57344) by
