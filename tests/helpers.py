@@ -20,7 +20,9 @@ __all__ = [
     "equations",
     "explicit_mesh",
     "loss_scaled",
+    "normal",
     "operand_dtypes",
+    "relative_error",
     "set_mesh",
     "sharded_sum",
 ]
@@ -67,6 +69,19 @@ def set_mesh(mesh: Any) -> Iterator[None]:
     setter = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh  # pyright: ignore[reportAttributeAccessIssue]
     with setter(mesh):
         yield
+
+
+def normal(seed, shape, scale=1.0):
+    """float32 normal values from NumPy's generator (no JAX operation to
+    compile for the test data)."""
+    values = np.random.default_rng(seed).standard_normal(shape) * scale
+    return jnp.asarray(values, jnp.float32)
+
+
+def relative_error(a, b):
+    """``|a - b| / |b|`` in float64, Frobenius norms."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def assert_trees_bitwise_equal(a, b):

@@ -25,18 +25,12 @@ import pytest
 from jax import lax
 
 import lossscale
-from tests.helpers import count_compiles, equations
-
-
-def normal(seed, shape, scale=1.0):
-    values = np.random.default_rng(seed).standard_normal(shape) * scale
-    return jnp.asarray(values, jnp.float32)
-
-
-def relative_error(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
+from tests.helpers import (
+    count_compiles,
+    equations,
+    normal,
+    relative_error,
+)
 
 # --- float8 ------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from flax import nnx
 
 import lossscale
 from lossscale._autocast import _fp8
-from tests.helpers import equations
+from tests.helpers import equations, normal, relative_error
 
 E4, E5 = "float8_e4m3fn", "float8_e5m2"
 GW_HP = "rowwise_with_gw_hp"
@@ -36,16 +36,6 @@ GATHER = (
     "an exact gather: the data reaches it through integers or booleans "
     "only (a one-hot product)"
 )
-
-
-def normal(seed, shape, scale=1.0):
-    values = np.random.default_rng(seed).standard_normal(shape) * scale
-    return jnp.asarray(values, jnp.float32)
-
-
-def relative_error(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def dot_dtypes(jaxpr):
