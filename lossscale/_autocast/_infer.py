@@ -774,8 +774,8 @@ def _forward(
             planning.used.add(("function", ef.function))
         if rule in ("float32", "original") or higher is None:
             return traced(eqn, infos, compute, ef)  # custom_vjp: run whole
-        if rule == "compute" or _matmul.kept_out(
-            eqn, config.float8, planning.used
+        if rule == "compute" or (
+            _matmul.kept_out(eqn, config.float8, planning.used) is not None
         ):
             config = config.sixteen_bit
         with _weights.at(planning.sites.get(eqn, {})):

@@ -95,28 +95,29 @@ def excluded_by(eqn: Any, float8: Any, role: _weights.Role | None) -> str:
     return ""
 
 
-def kept_out(eqn: Any, float8: Any, used: set[tuple[str, str]]) -> bool:
-    """Whether a higher-order equation's matmuls are kept out of float8
-    (``float8``: the recipe, or ``None``): traced in
-    :func:`lossscale.compute_scope`, or a function or scope that
-    ``exclude`` names (noted in ``used``)."""
+def kept_out(eqn: Any, float8: Any, used: set[tuple[str, str]]) -> str | None:
+    """Why a higher-order equation's matmuls are kept out of float8
+    (``float8``: the recipe, or ``None``), as :func:`lossscale.matmuls`
+    says it: traced in :func:`lossscale.compute_scope`, or a function or
+    scope that ``exclude`` names (noted in ``used``); ``None``: not."""
     if float8 is None:
-        return False
+        return None
     if in_compute_scope(eqn):
-        return True
+        return "compute_scope"
     pattern = excluded_by(eqn, float8, None)
-    if pattern:
-        used.add(("exclude", pattern))
-    return bool(pattern)
+    if not pattern:
+        return None
+    used.add(("exclude", pattern))
+    return f"Float8(exclude=...): {pattern!r}"
 
 
 def float8_ineligible(
-    eqn: Any, float8: Any, role: _weights.Role | None = None
+    eqn: Any, float8: Any, role: _weights.Role | None, excluded: str
 ) -> str | None:
     """Why a ``dot_general`` of the float8 kind runs in the 16-bit
     compute dtype instead (``None``: it runs in float8). ``role``: what
     the dataflow says it is (``None``: not known, and the weight is taken
-    to be the rhs)."""
+    to be the rhs); ``excluded``: what :func:`excluded_by` found."""
     if not all(is_float(v.aval.dtype) for v in eqn.invars):
         return "an operand that is not floating point"
     if _compat.explicit_precision(eqn):
@@ -125,9 +126,8 @@ def float8_ineligible(
         return "a preferred_element_type wider than its operands"
     if in_compute_scope(eqn):
         return "compute_scope"
-    pattern = excluded_by(eqn, float8, role)
-    if pattern:
-        return f"Float8(exclude=...): {pattern!r}"
+    if excluded:
+        return f"Float8(exclude=...): {excluded!r}"
     weight = None
     if role is not None:
         weight = role.weight
@@ -170,7 +170,7 @@ def float8_rule(a: KindArgs) -> tuple[Node, list[Info]]:
         # Whether it would run in float8 or not: its format would not be
         # the recipe's backward one either way.
         raise TypeError(GRADIENT_TRACED)
-    reason = float8_ineligible(a.eqn, a.float8, a.role)
+    reason = float8_ineligible(a.eqn, a.float8, a.role, pattern)
     if reason is not None:
         node, outs = matmul_rule(a)
         return node._replace(data=reason), outs

@@ -149,10 +149,8 @@ def _inside(eqn: Any, place: _Place) -> _Place:
     why = None
     if rule == "compute":
         why = f"function_rules[{name!r}]: 'compute'"
-    elif _plan.in_compute_scope(eqn):
-        why = "compute_scope"
-    elif pattern := _matmul_rules.excluded_by(eqn, float8, None):
-        why = f"Float8(exclude=...): {pattern!r}"
+    else:
+        why = _matmul_rules.kept_out(eqn, float8, set())
     if why is None:
         return place._replace(where=where)
     return _Place(place.config.sixteen_bit, where, why)

@@ -128,8 +128,11 @@ def trace(
     n = len(jaxpr.outvars)
     analysed = contextlib.nullcontext()
     if config.float8 is not None:
-        sources = input_sources(config.float8, fun, args, kwargs, dynamic)
-        consts = const_sources(config.float8, fun, closed.consts)
+        argnums = params_argnums(config.float8, fun)
+        sources = input_sources(
+            config.float8, argnums, fun, args, kwargs, dynamic
+        )
+        consts = const_sources(argnums, closed.consts)
         analysed = _weights.at({jaxpr: (*consts, *sources)})
     with analysed:
         plan = _infer.infer(
@@ -167,16 +170,16 @@ def params_argnums(float8: Any, fun: Callable[..., Any]) -> tuple[int, ...]:
 
 def input_sources(
     float8: Any,
+    argnums: tuple[int, ...],
     fun: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     dynamic: list,
 ) -> list[_weights.Source]:
     """What each array argument is to a float8 recipe: a parameter (in
-    the positional arguments :func:`params_argnums` gives; with its path
-    where a recipe's ``exclude`` or :func:`lossscale.matmuls` reads it),
-    integer data, or data."""
-    argnums = set(params_argnums(float8, fun))
+    the positional arguments ``argnums``, from :func:`params_argnums`;
+    with its path where a recipe's ``exclude`` or
+    :func:`lossscale.matmuls` reads it), integer data, or data."""
     if argnums and max(argnums) >= len(args):
         raise ValueError(
             f"params_argnums={float8.params_argnums!r} of the Float8 recipe "
@@ -184,10 +187,10 @@ def input_sources(
             "positional arguments): it names the arguments that hold the "
             "parameters, as jax.grad's argnums does."
         )
+    paths = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
     names: list[str] = []
     if float8.exclude or _weights.names_wanted():
-        names = param_names(fun, float8, args, kwargs, dynamic)
-    paths = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
+        names = param_names(fun, paths, dynamic, several=len(argnums) > 1)
     sources = []
     for j, i in enumerate(dynamic):
         path, leaf = paths[i]
@@ -203,14 +206,14 @@ def input_sources(
 
 
 def const_sources(
-    float8: Any, fun: Callable[..., Any], consts: list[Any]
+    argnums: tuple[int, ...], consts: list[Any]
 ) -> list[_weights.Source]:
     """What each value the function closes over is: a constant (a
     parameter) if it is concrete, or where no argument holds parameters
     (``params_argnums=()``, or a model called as the function); else a
     value of an enclosing trace, such as the batch that ``loss_fn(params)``
     closes over inside a jitted step: data."""
-    closed_params = not params_argnums(float8, fun)
+    closed_params = not argnums
     return [
         _weights.PARAM
         if closed_params or not _compat.is_tracer(c)
@@ -220,22 +223,17 @@ def const_sources(
 
 
 def param_names(
-    fun: Callable[..., Any],
-    float8: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    dynamic: list,
+    fun: Callable[..., Any], paths: list[Any], dynamic: list, several: bool
 ) -> list[str]:
-    """Each array argument's path, as :class:`lossscale.Matmul` names a
-    weight: inside its argument, dotted (``"head.kernel"``), after the
-    argument's name where ``params_argnums`` names several, or where the
+    """Each array argument's path (``paths``: those of the flattened
+    ``(args, kwargs)``), as :class:`lossscale.Matmul` names a weight:
+    inside its argument, dotted (``"head.kernel"``), after the argument's
+    name where ``several`` arguments hold parameters, or where the
     argument is the array itself (``"w"``)."""
-    several = len(params_argnums(float8, fun)) > 1
     try:
         arg_names = list(inspect.signature(fun).parameters)
     except (TypeError, ValueError):  # a builtin, a C extension
         arg_names = []
-    paths = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
     names = []
     for i in dynamic:
         path = paths[i][0]
