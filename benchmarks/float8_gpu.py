@@ -14,27 +14,34 @@ stays bfloat16), written in float32, under
    which costs what float8 was meant to save. Any difference is printed
    in capitals and the script exits with status 1. Only GPUs of compute
    capability 8.9 or more (Ada, Hopper, Blackwell) have float8 GEMMs.
-2. **The timing.** The float8 step against the bfloat16 autocast step, side
-   by side: both compiled, then rounds that alternate them, a few steps
-   each after a warm-up step; the median step time of each and the median
-   of per-round ratios. Written to ``--out`` with the GPU's name.
+2. **The timing.** Each recipe's float8 step against the bfloat16 autocast
+   step, side by side, without remat and under each ``--remat`` policy
+   (each block under ``nnx.remat``; float8 is compared with bfloat16
+   under the same policy): all compiled once, then rounds that alternate
+   them, a few steps each after a warm-up step; the median step time of
+   each, the median of per-round ratios, and the compiled step's
+   temporary memory. Written to ``--out`` with the GPU's name.
 
 On a CPU the check runs too (``tests/test_benchmarks.py`` does so on a
 small model): XLA:CPU has no float8 GEMM, so it finds 0 and reports the
 mismatch.
 
-    python benchmarks/float8_gpu.py [--recipe tensorwise] [--layers 12]
+    python benchmarks/float8_gpu.py [--recipes tensorwise,rowwise,...]
+        [--remat none,dots_with_no_batch_dims_saveable] [--layers 12]
         [--width 1024] [--heads 16] [--context 1024] [--batch 8]
-        [--rounds 5] [--steps 10] [--out FILE]
+        [--rounds 5] [--steps 10] [--out FILE] [--hlo FILE.gz]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gzip
 import importlib.util
 import pathlib
 import statistics
 import sys
+import time
 from typing import Any, NamedTuple
 
 import jax
@@ -114,11 +121,13 @@ def compare(dots: Any, gemms: int) -> Check:
     return Check(dots, gemms, True, f"ok: {counts}")
 
 
-def check(step: Any, args: Any) -> Check:
-    """Compiles ``step(*args)`` and compares its float8 GEMMs with the float8
-    dots of its jaxpr. Raises nothing on a mismatch: see ``Check.ok``."""
+def check(step: Any, args: Any, hlo: str | None = None) -> Check:
+    """Compares the float8 GEMMs of ``step(*args)``'s compiled HLO (compiled
+    here unless its text is given) with the float8 dots of its jaxpr.
+    Raises nothing on a mismatch: see ``Check.ok``."""
     dots = fp8_check.count_fp8_dots(jax.make_jaxpr(step)(*args))
-    hlo = jax.jit(step).lower(*args).compile().as_text()
+    if hlo is None:
+        hlo = jax.jit(step).lower(*args).compile().as_text()
     return compare(dots, fp8_check.count_fp8_gemms(hlo))
 
 
@@ -130,25 +139,56 @@ def device_name() -> str:
                         else "")  # fmt: skip
 
 
+class Variant(NamedTuple):
+    """One compiled train step: its name, remat policy, the compiled
+    function, its arguments and its HLO text."""
+
+    name: str
+    remat: str
+    compiled: Any
+    args: Any
+    hlo: str
+
+
+def compile_variant(
+    name: str, config: gpt.Config, remat: str
+) -> tuple[Variant, Any]:
+    """``name``'s step (``bench.VARIANTS``) under ``remat`` (``"none"`` or a
+    ``gpt.REMAT_POLICIES`` name), compiled once; and the step itself."""
+    config = dataclasses.replace(
+        config, remat=None if remat == "none" else remat
+    )
+    step, args, _ = bench.build(name, config)
+    compiled = jax.jit(step).lower(*args).compile()
+    return Variant(name, remat, compiled, args, compiled.as_text() or ""), step
+
+
 def time_side_by_side(
-    variants: dict[str, tuple[Any, Any]], rounds: int, steps: int
-) -> dict[str, list[float]]:
+    variants: list[Variant], rounds: int, steps: int
+) -> list[list[float]]:
     """Median step times per round of each compiled variant, alternated."""
-    compiled = {
-        name: (jax.jit(step).lower(*args).compile(), args)
-        for name, (step, args) in variants.items()
-    }
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    times: list[list[float]] = [[] for _ in variants]
     for _ in range(rounds):
-        for name, (fn, args) in compiled.items():
-            times[name].append(bench.time_steps(fn, args, steps))
+        for variant, row in zip(variants, times, strict=True):
+            row.append(bench.time_steps(variant.compiled, variant.args, steps))
     return times
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "").splitlines()[0]
+    )
+    recipes = tuple(gpt.FLOAT8_MODES.values())
     parser.add_argument(
-        "--recipe", default="tensorwise", choices=gpt.FLOAT8_MODES.values()
+        "--recipes",
+        default=",".join(recipes),
+        help=f"comma-separated subset of {','.join(recipes)}",
+    )
+    parser.add_argument(
+        "--remat",
+        default="none,dots_with_no_batch_dims_saveable",
+        help="comma-separated: none (no remat) or gpt.REMAT_POLICIES names; "
+        "each block under nnx.remat with that policy",
     )
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--width", type=int, default=1024)
@@ -158,7 +198,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--hlo",
+        default=None,
+        help="a .gz file to write each float8 step's compiled HLO into",
+    )
     args = parser.parse_args(argv)
+    chosen = args.recipes.split(",")
+    if not set(chosen) <= set(recipes):
+        parser.error(f"--recipes must name some of {','.join(recipes)}")
+    policies = args.remat.split(",")
+    if not set(policies) <= {"none", *gpt.REMAT_POLICIES}:
+        parser.error(
+            f"--remat must name some of none,{','.join(gpt.REMAT_POLICIES)}"
+        )
     config = gpt.Config(
         layers=args.layers,
         width=args.width,
@@ -166,23 +219,40 @@ def main(argv: list[str] | None = None) -> int:
         context=args.context,
         batch=args.batch,
     )
-    fp8 = f"float8 {args.recipe}"
-    step, step_args, _ = bench.build(fp8, config)
-    found = check(step, step_args)
     banner = "=" * 72
-    if found.ok:
-        print(found.message)
-    else:
-        print(f"{banner}\n{found.message}\n{banner}", file=sys.stderr)
-    reference = bench.build(bench.REFERENCE, config)[:2]
-    times = time_side_by_side(
-        {bench.REFERENCE: reference, fp8: (step, step_args)},
-        args.rounds,
-        args.steps,
-    )
-    ratio = statistics.median(
-        f / b for f, b in zip(times[fp8], times[bench.REFERENCE], strict=True)
-    )
+    variants: list[Variant] = []
+    checks: dict[tuple[str, str], Check] = {}
+    if args.hlo:
+        pathlib.Path(args.hlo).unlink(missing_ok=True)
+    for remat in policies:
+        for name in (bench.REFERENCE, *(f"float8 {r}" for r in chosen)):
+            start = time.perf_counter()
+            variant, step = compile_variant(name, config, remat)
+            print(
+                f"{name}, remat {remat}: built and compiled in "
+                f"{time.perf_counter() - start:.1f} s",
+                flush=True,
+            )
+            variants.append(variant)
+            if name == bench.REFERENCE:
+                continue
+            found = check(step, variant.args, variant.hlo)
+            checks[name, remat] = found
+            line = f"{name}, remat {remat}: {found.message}"
+            if found.ok:
+                print(line, flush=True)
+            else:
+                print(f"{banner}\n{line}\n{banner}", file=sys.stderr)
+            if args.hlo:
+                with gzip.open(args.hlo, "at") as f:
+                    f.write(f"=== {name}, remat {remat}\n{variant.hlo}\n")
+    times = time_side_by_side(variants, args.rounds, args.steps)
+    reference = {
+        v.remat: row
+        for v, row in zip(variants, times, strict=True)
+        if v.name == bench.REFERENCE
+    }
+    ok = all(c.ok for c in checks.values())
     lines = [
         "## float8 on a GPU: the GEMMs and the step time",
         "",
@@ -190,27 +260,40 @@ def main(argv: list[str] | None = None) -> int:
         f"{config.layers}, width {config.width}, heads {config.heads}, "
         f"batch {config.batch} x {config.context}; "
         f"{args.rounds} alternating rounds of {args.steps} steps after a "
-        "warm-up step each.",
+        "warm-up step each. Ratios: medians of per-round ratios to the "
+        f"{bench.REFERENCE} step under the same remat policy (`none`: no "
+        "remat). Temp: the compiled step's temporary memory "
+        "(`memory_analysis`).",
         "",
-        f"- check: {found.message}",
+        *(
+            f"- check, {name}, remat {remat}: {c.message}"
+            for (name, remat), c in checks.items()
+        ),
         *(
             []
-            if found.ok
-            else ["- so the float8 row below is not float8 GEMMs' time"]
+            if ok
+            else ["- a row whose check failed is not float8 GEMMs' time"]
         ),
         "",
-        "| variant | step ms (median) | step, ratio |",
-        "|---|---|---|",
-        f"| {bench.REFERENCE} | "
-        f"{1e3 * statistics.median(times[bench.REFERENCE]):.1f} | 1.00 |",
-        f"| {fp8} | {1e3 * statistics.median(times[fp8]):.1f} | {ratio:.2f} |",
+        "| variant | remat | step ms (median) | step, ratio | temp MB |",
+        "|---|---|---|---|---|",
     ]
+    for variant, row in zip(variants, times, strict=True):
+        ratio = statistics.median(
+            t / b for t, b in zip(row, reference[variant.remat], strict=True)
+        )
+        temp = variant.compiled.memory_analysis().temp_size_in_bytes / 1e6
+        lines.append(
+            f"| {variant.name} | {variant.remat} "
+            f"| {1e3 * statistics.median(row):.1f} | {ratio:.2f} "
+            f"| {temp:.1f} |"
+        )
     report = "\n".join(lines) + "\n"
     print(report)
     if args.out:
         with open(args.out, "w") as f:
             f.write(report)
-    return 0 if found.ok else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -575,6 +575,12 @@ def peak_memory(n_params: int):
 
 # --- report -----------------------------------------------------------------
 
+OTHER_BACKEND = """## What was tried
+
+What was tried, and why the numbers are what they are on a CPU, is in
+`benchmarks/RESULTS.md`; its figures are a CPU's, not this machine's.
+"""
+
 NOTES = """## What was tried, and why the numbers are what they are
 
 Measured on the CPU above (details in the git log).
@@ -809,7 +815,9 @@ def main(argv=None) -> str:
                 "MiB",
             ),
         ]
-    parts.append(NOTES)
+    # The notes explain CPU measurements (their figures are a CPU's):
+    # another backend's report points to them instead of repeating them.
+    parts.append(NOTES if jax.default_backend() == "cpu" else OTHER_BACKEND)
     report = "\n".join(parts)
     args.out.write_text(report)
     print(report)

@@ -1,5 +1,6 @@
 """The benchmark runs (--quick). A smoke test: timings are not asserted."""
 
+import gzip
 import importlib.util
 import pathlib
 import re
@@ -127,19 +128,43 @@ def test_float8_gpu_check_reports_the_cpu_fallback_without_failing(capsys):
 
 @pytest.mark.slow
 @pytest.mark.standard_promotion
-def test_float8_gpu_script_on_the_cpu_says_mismatch_and_exits_1(capsys):
+def test_float8_gpu_script_on_the_cpu_says_mismatch_and_exits_1(
+    capsys, tmp_path
+):
     # The whole script, as gpu.sh runs it, on a small model: the message
     # in capitals on stderr, status 1, the timing table anyway.
     gpu = _load("float8_gpu")
+    hlo = tmp_path / "hlo.txt.gz"
     status = gpu.main(
         ["--layers", "1", "--width", "32", "--heads", "2", "--context",
-         "16", "--batch", "4", "--rounds", "1", "--steps", "1"]
+         "16", "--batch", "4", "--rounds", "1", "--steps", "1",
+         "--recipes", "tensorwise", "--remat", "none,nothing_saveable",
+         "--hlo", str(hlo)]
     )  # fmt: skip
     assert status == 1
     captured = capsys.readouterr()
     assert "MISMATCH, SILENT FALLBACK" in captured.err
-    assert "| float8 tensorwise |" in captured.out
+    for remat in ("none", "nothing_saveable"):
+        assert f"| autocast bfloat16 | {remat} | " in captured.out
+        assert f"| float8 tensorwise | {remat} | " in captured.out
     assert "not float8 GEMMs' time" in captured.out
+    # Each float8 step's HLO, under a header naming it.
+    with gzip.open(hlo, "rt") as f:
+        headers = [line for line in f if line.startswith("=== ")]
+    assert headers == [
+        "=== float8 tensorwise, remat none\n",
+        "=== float8 tensorwise, remat nothing_saveable\n",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--recipes", "tensorwise,bogus"), ("--remat", "dots")]
+)
+def test_float8_gpu_script_names_what_it_accepts(flag, value, capsys):
+    gpu = _load("float8_gpu")
+    with pytest.raises(SystemExit):
+        gpu.main([flag, value])
+    assert f"{flag} must name some of" in capsys.readouterr().err
 
 
 def test_float8_gpu_check_counts_the_real_custom_call():
@@ -159,3 +184,60 @@ def test_float8_gpu_check_counts_the_real_custom_call():
     assert not gpu.compare(dots(1, 2, 0), 4).ok  # more GEMMs than dots
     assert not gpu.compare(dots(1, 1, 1), 3).ok  # e5m2 x e5m2
     assert not gpu.compare(dots(0, 0, 0), 0).ok  # nothing to check
+
+
+# benchmarks/collectives.py's parsing of compiled HLO: the forms XLA
+# prints (synchronous, asynchronous start/done pairs, a combiner's tuple).
+SYNC_GATHER = (
+    "  %all-gather.3 = f32[512,2048]{1,0} all-gather(f32[128,2048]{1,0} "
+    "%p), channel_id=1, replica_groups=[1,4]<=[4], dimensions={0}"
+)
+ASYNC_GATHER = (
+    "  %all-gather-start = (bf16[128,2048]{1,0}, bf16[512,2048]{1,0}) "
+    "all-gather-start(bf16[128,2048]{1,0} %c), dimensions={0}\n"
+    "  %all-gather-done = bf16[512,2048]{1,0} all-gather-done("
+    "(bf16[128,2048]{1,0}, bf16[512,2048]{1,0}) %all-gather-start)"
+)
+COMBINED_SCATTER = (
+    "  ROOT %reduce-scatter.1 = (f32[128,2048]{1,0}, f32[512,512]{1,0}) "
+    "reduce-scatter(f32[512,2048]{1,0} %a, f32[2048,512]{1,0} %b), "
+    "dimensions={0}, to_apply=%add"
+)
+
+
+def test_collectives_reads_each_form_xla_prints():
+    c = _load("collectives")
+    found = c.collectives(
+        "\n".join([SYNC_GATHER, ASYNC_GATHER, COMBINED_SCATTER])
+    )
+    assert found == [
+        c.Collective("all-gather", "f32", 512 * 2048 * 4),
+        c.Collective("all-gather", "bf16", 512 * 2048 * 2),  # the -done's
+        c.Collective("reduce-scatter", "f32", 128 * 2048 * 4),
+        c.Collective("reduce-scatter", "f32", 512 * 512 * 4),
+    ]
+    assert c.summary(found)["reduce-scatter", "f32"] == (
+        2,
+        (128 * 2048 + 512 * 512) * 4,
+    )
+    # Other instructions, a fusion that merely mentions a gather's name
+    # among them, are not collectives.
+    assert c.collectives("  %fusion = f32[4]{0} fusion(%all-gather.3)") == []
+    with pytest.raises(ValueError, match="unknown HLO element type 'f4e2m1fn'"):
+        c.collectives(SYNC_GATHER.replace("f32[512", "f4e2m1fn[512"))
+
+
+@pytest.mark.standard_promotion
+def test_collectives_of_the_fsdp_step_on_four_cpu_devices():
+    # Today's program, the reference issue 41 improves on: every variant
+    # gathers the float32 weights (8 MiB) and reduce-scatters float32
+    # gradients (2 MiB, a quarter each).
+    import jax
+
+    c = _load("collectives")
+    mesh = jax.sharding.Mesh(jax.devices()[:4], ("fsdp",))
+    step, args = c.fsdp_step("float32", mesh)
+    table = c.summary(c.collectives(step.lower(*args).compile().as_text()))
+    assert table["all-gather", "f32"] == (2, 8 * 2**20)
+    assert table["reduce-scatter", "f32"] == (2, 2 * 2**20)
+    assert "| float32 | all-gather | f32 | 2 | 8.000 |" in c.report(mesh)

@@ -1,5 +1,6 @@
 """python -m lossscale.demo: runs, reports, plots, and shows the effect."""
 
+import contextlib
 import dataclasses
 import io
 import pathlib
@@ -10,6 +11,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 
 import lossscale
 from lossscale import demo
@@ -501,3 +503,34 @@ def test_text_encoding():
     # Tabs and non-ASCII characters share one id.
     ids = _demo_text.encode("\té€")
     assert (ids == _demo_text.VOCAB - 1).all() and len(ids) == 3
+
+
+def test_gpt_remat_policy_reaches_every_block():
+    # Config.remat (the GPU benchmark's remat rows): each block under
+    # nnx.remat with the named jax.checkpoint_policies policy.
+    import flax.nnx as nnx
+
+    def saved(remat):
+        config = _demo_gpt.Config(layers=2, width=16, heads=2, context=8,
+                                  batch=2, remat=remat)  # fmt: skip
+        model = _demo_gpt.make_model(0, config)
+        graphdef, params = nnx.split(model, nnx.Param)
+        ids = np.zeros((2, 8), np.int32)
+
+        def loss(params):
+            logits = nnx.merge(graphdef, params)(ids)
+            return _demo_gpt.cross_entropy(logits, ids)
+
+        jaxpr = str(jax.make_jaxpr(jax.grad(loss))(params))
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            print_saved_residuals(loss, params)
+        residuals = printed.getvalue().strip().splitlines()
+        return "checkpoint[" in jaxpr or "remat" in jaxpr, len(residuals)
+
+    plain, nothing = saved(None), saved("nothing_saveable")
+    assert plain[0] is False and nothing[0] is True
+    # Saving nothing inside the blocks keeps fewer residuals.
+    assert nothing[1] < plain[1]
+    with pytest.raises(ValueError, match=r"config.remat must be one of .*'x'"):
+        _demo_gpt.make_model(0, _demo_gpt.Config(remat="x"))

@@ -140,3 +140,112 @@ def test_no_figure_of_an_earlier_run_is_left_in_the_prose(page):
         text = text[: text.index("\n## ", 1)]
     quoted = set(re.findall(r"\b[1-3]\.\d{4}\b", text))
     assert quoted <= recorded_values, sorted(quoted - recorded_values)
+
+
+# --- the GPU figures --------------------------------------------------------
+# benchmarks/gpu.sh's one recorded run on an H200 (and the two wider runs
+# after it): each ratio and memory figure the pages quote is read from
+# the recorded tables, so that a re-run that changes them fails here
+# until the pages follow.
+
+GPU_FLOAT8 = [
+    ROOT / "benchmarks" / f"RESULTS-gpu-float8{suffix}.md"
+    for suffix in ("", "-remat", "-widths")
+]
+BENCHMARKS_PAGE = ROOT / "docs" / "benchmarks.md"
+
+
+def gpu_float8_rows() -> dict[tuple[int, str, str], dict[str, str]]:
+    """``{(width, variant, remat): {column: cell}}`` of the recorded float8
+    GPU tables (the width from each table's description)."""
+    rows: dict[tuple[int, str, str], dict[str, str]] = {}
+    for path in GPU_FLOAT8:
+        width = 0
+        columns: list[str] = []
+        for line in path.read_text().splitlines():
+            described = re.search(
+                r"The demo GPT: layers \d+, width (\d+)", line
+            )
+            if described:
+                width = int(described[1])
+            if not line.startswith("|") or "---" in line:
+                continue
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if cells[0] == "variant":
+                columns = cells
+                continue
+            row = dict(zip(columns, cells, strict=True))
+            rows[width, row["variant"], row["remat"]] = row
+    return rows
+
+
+def test_the_pages_quote_the_recorded_gpu_float8_ratios_and_memory():
+    rows = gpu_float8_rows()
+    remat = "dots_with_no_batch_dims_saveable"
+
+    def ratio(width: int, recipe: str, policy: str = "none") -> str:
+        return rows[width, f"float8 {recipe}", policy]["step, ratio"] + "x"
+
+    def temp(width: int, variant: str, policy: str = "none") -> str:
+        return rows[width, variant, policy]["temp MB"] + " MB"
+
+    # What the float8 page says, in the order it says it.
+    guide = re.sub(r"\s+", " ", FLOAT8_PAGE.read_text())
+    quoted = [
+        f'{ratio(1024, "tensorwise")} (`"tensorwise"`)',
+        f'{ratio(1024, "rowwise")} (`"rowwise"`)',
+        f'and {ratio(1024, "rowwise_with_gw_hp")} (`"rowwise_with_gw_hp"`)',
+        f"{ratio(1024, 'tensorwise', remat)} with each block under",
+        f"only, {ratio(2048, 'tensorwise')} at width 2048 and "
+        f"{ratio(4096, 'tensorwise')} at width 4096",
+        f"{temp(1024, 'autocast bfloat16')} for bfloat16 autocast",
+        f'{temp(1024, "float8 tensorwise")} for `"tensorwise"`',
+        f'{temp(1024, "float8 rowwise")} for `"rowwise"`',
+        f'{temp(1024, "float8 rowwise_with_gw_hp")} for `"rowwise_with_gw_hp"`',
+        f"{temp(1024, 'autocast bfloat16', remat)} against "
+        f'{temp(1024, "float8 tensorwise", remat)} for `"tensorwise"` '
+        "(1.69x",
+    ]
+    for text in quoted:
+        assert text in guide, text
+    # The memory ratios it gives, recomputed.
+    bf16 = float(rows[1024, "autocast bfloat16", remat]["temp MB"])
+    f8 = float(rows[1024, "float8 tensorwise", remat]["temp MB"])
+    assert f"{f8 / bf16:.2f}" == "1.69"
+    # And the benchmarks page's summary.
+    page = re.sub(r"\s+", " ", BENCHMARKS_PAGE.read_text())
+    low = min(ratio(1024, r) for r in ("tensorwise", "rowwise"))
+    high = max(
+        ratio(1024, r) for r in ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+    )
+    assert f"took {low} to {high} bfloat16's" in page
+    assert (
+        f"float8 took {ratio(2048, 'tensorwise')} at width 2048 and "
+        f"{ratio(4096, 'tensorwise')} at width 4096" in page
+    )
+
+
+def test_the_benchmarks_page_quotes_the_recorded_gpu_loss_scaling_ratios():
+    # RESULTS-gpu.md: per variant, its ratio to plain optax in each
+    # "finite path" table; the page gives each variant's range.
+    ratios: dict[str, list[float]] = {}
+    finite = False
+    text = (ROOT / "benchmarks" / "RESULTS-gpu.md").read_text()
+    for line in text.splitlines():
+        if line.startswith("### "):
+            finite = "finite path" in line
+        elif finite and line.startswith("| ") and "---" not in line:
+            variant, _, ratio = (c.strip() for c in line.strip("|").split("|"))
+            if variant != "variant":
+                ratios.setdefault(variant, []).append(float(ratio))
+    page = re.sub(r"\s+", " ", BENCHMARKS_PAGE.read_text())
+    for variant, quoted in [
+        ("lossscale", "lossscale's adam step was {}x to {}x plain optax's"),
+        ("flax DynamicScale", "`DynamicScale` recipe {}x to {}x"),
+        ("optax.apply_if_finite", "`optax.apply_if_finite` {}x to {}x"),
+        ("jmp", "jmp {}x to {}x"),
+    ]:
+        values = ratios[variant]
+        assert len(values) == 3  # 1M, 10M and 20M parameters
+        low, high = f"{min(values):.2f}", f"{max(values):.2f}"
+        assert quoted.format(low, high) in page, (variant, low, high)

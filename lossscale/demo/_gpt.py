@@ -66,6 +66,15 @@ FLOAT8_MODES = {
     "fp8-rowwise-gw-hp": "rowwise_with_gw_hp",
 }
 STEPS = 300
+# The policies of jax.checkpoint_policies that take no argument.
+REMAT_POLICIES = (
+    "everything_saveable",
+    "nothing_saveable",
+    "dots_saveable",
+    "checkpoint_dots",
+    "dots_with_no_batch_dims_saveable",
+    "checkpoint_dots_with_no_batch_dims",
+)
 TRAIN_CHARS, HELDOUT_CHARS, EVAL_WINDOWS = 2_000_000, 100_000, 1024
 STATIC_SCALE = 2.0**15
 # PyTorch's GradScaler starts at 2**16 and grows every 2000 clean steps,
@@ -89,6 +98,10 @@ class Config:
     context: int = 64
     batch: int = 64
     learning_rate: float = 3e-3
+    # A ``jax.checkpoint_policies`` name: each block runs under
+    # ``nnx.remat`` with that policy (the benchmarks' remat rows); None
+    # saves what autodiff saves.
+    remat: str | None = None
 
 
 def _stacked(nnx, make, rngs, count: int):
@@ -155,6 +168,14 @@ def make_model(seed: int, config: Config = Config(), hand_cast=None):
     dense = {} if hand_cast is None else dict(dtype=hand_cast)
     attention = causal_attention if hand_cast is None else hand_cast_attention
     norm = functools.partial(nnx.LayerNorm, width, epsilon=1e-5, **dense)
+    remat = None
+    if config.remat is not None:
+        if config.remat not in REMAT_POLICIES:
+            raise ValueError(
+                f"config.remat must be one of {REMAT_POLICIES} (a policy of "
+                f"jax.checkpoint_policies) or None, got {config.remat!r}"
+            )
+        remat = getattr(jax.checkpoint_policies, config.remat)
 
     class Block(nnx.Module):
         def __init__(self, rngs):
@@ -196,9 +217,15 @@ def make_model(seed: int, config: Config = Config(), hand_cast=None):
         def __call__(self, ids):
             x = self.tokens(ids) + self.positions(jnp.arange(ids.shape[-1]))
 
+            def apply(x, block):
+                return block(x)
+
+            if remat is not None:
+                apply = nnx.remat(apply, policy=remat)
+
             @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
             def through(x, block):
-                return block(x)
+                return apply(x, block)
 
             x = through(x, self.blocks)
             logits = self.tokens.attend(self.norm(x))  # tied embedding
