@@ -6,10 +6,12 @@ first axis over every device (FSDP, ZeRO-3), under ``jax.shard_map``: the
 body gathers each weight (``all_gather(tiled=True)``) before its matmul, and
 the gradient's transpose reduce-scatters it. Variants: float32, bfloat16
 autocast and ``Float8()``, each ``lossscale.autocast(loss, ...)`` inside
-the body. For each, the compiled module's all-gathers, reduce-scatters and
-all-reduces by dtype, with their result bytes (the gathered tensor for an
-all-gather, the scattered shard for a reduce-scatter), summed over the
-instructions XLA left.
+the body (and float16 autocast, whose collectives XLA's CPU backend keeps
+16-bit: it widens bfloat16 ones to float32). For each, the all-gathers,
+reduce-scatters and all-reduces by dtype, with their result bytes (the
+gathered tensor for an all-gather, the scattered shard for a
+reduce-scatter), summed: those the program asks for (the lowered module,
+before XLA's passes) and those the compiled module keeps.
 
 On a CPU with simulated devices (``jax_num_cpu_devices``) this shows what
 autocast's program asks for; on a GPU, what XLA's GPU pipeline leaves (on
@@ -94,7 +96,7 @@ def summary(found: list[Collective]) -> dict[tuple[str, str], tuple[int, int]]:
     return {key: (n, b) for key, (n, b) in sorted(table.items())}
 
 
-VARIANTS = ("float32", "autocast bfloat16", "Float8()")
+VARIANTS = ("float32", "autocast bfloat16", "autocast float16", "Float8()")
 
 
 def fsdp_step(variant: str, mesh: jax.sharding.Mesh, width: int = 512):
@@ -110,6 +112,8 @@ def fsdp_step(variant: str, mesh: jax.sharding.Mesh, width: int = 512):
 
     if variant == "autocast bfloat16":
         loss = lossscale.autocast(loss, jnp.bfloat16)
+    elif variant == "autocast float16":
+        loss = lossscale.autocast(loss, jnp.float16)
     elif variant == "Float8()":
         loss = lossscale.autocast(loss, lossscale.Float8())
     elif variant != "float32":
@@ -146,23 +150,35 @@ def report(mesh: jax.sharding.Mesh) -> str:
         f"{getattr(device, 'device_kind', device.platform)} x "
         f"{mesh.devices.size}; jax {jax.__version__}. An MLP 512 -> 2048 -> "
         "512, float32 weights sharded on their first axis, gathered in a "
-        "`shard_map` body; the compiled module's collectives by dtype "
-        "(result bytes, summed).",
-        "",
-        "| variant | collective | dtype | count | MiB |",
-        "|---|---|---|---|---|",
+        "`shard_map` body; the collectives by dtype (result bytes, "
+        "summed): those the compiled module keeps, then those the program "
+        "asks for (the lowered module, before XLA's passes).",
     ]
+    modules = {}
     for variant in VARIANTS:
         step, args = fsdp_step(variant, mesh)
-        table = summary(
-            collectives(step.lower(*args).compile().as_text() or "")
+        lowered = step.lower(*args)
+        modules[variant] = (
+            lowered.compile().as_text() or "",
+            lowered.as_text(dialect="hlo"),
         )
-        if not table:
-            lines.append(f"| {variant} | (none left by XLA) | | | |")
-        for (op, dtype), (count, size) in table.items():
-            lines.append(
-                f"| {variant} | {op} | {dtype} | {count} | {size / 2**20:.3f} |"
-            )
+    for stage, title in enumerate(("compiled", "lowered")):
+        lines += [
+            "",
+            f"### {title}",
+            "",
+            "| variant | collective | dtype | count | MiB |",
+            "|---|---|---|---|---|",
+        ]
+        for variant in VARIANTS:
+            table = summary(collectives(modules[variant][stage]))
+            if not table:
+                lines.append(f"| {variant} | (none left by XLA) | | | |")
+            for (op, dtype), (count, size) in table.items():
+                lines.append(
+                    f"| {variant} | {op} | {dtype} | {count} "
+                    f"| {size / 2**20:.3f} |"
+                )
     return "\n".join(lines) + "\n"
 
 

@@ -21,7 +21,7 @@ from lossscale._autocast import _islands, _matmul
 from lossscale._autocast._cast import cast, cast_cache, store
 from lossscale._autocast._classes import F32_DTYPE, Cls, class_dtype, is_float
 from lossscale._autocast._config import Call
-from lossscale._autocast._plan import Mode, Node, Plan
+from lossscale._autocast._plan import NARROW_MOVE, Mode, Node, Plan
 from lossscale._autocast._rules import TABLE
 
 EmitHigher = Callable[[Call, Any, Node, list[Any]], list[Any]]
@@ -97,6 +97,8 @@ def _equation(call: Call, eqn: Any, node: Node, invals: list[Any]) -> list[Any]:
     if node.mode is Mode.FLOAT8:
         out = _matmul.emit_float8(call, eqn, invals, node.data)
         return store(out, node.outs, compute)
+    if node.data is NARROW_MOVE:
+        return store(narrow_move(eqn, invals[0], compute), node.outs, compute)
     dtype = {Mode.COMPUTE: compute, Mode.FLOAT32: F32_DTYPE}.get(node.mode)
     if node.remat:
         # The backward pass of x ** 3 (or exp x) would keep a float32
@@ -116,6 +118,35 @@ def _equation(call: Call, eqn: Any, node: Node, invals: list[Any]) -> list[Any]:
             )
         )
     return store(bind(eqn, node, invals, dtype), node.outs, compute)
+
+
+def narrow_move(eqn: Any, x: Any, compute: Any) -> list[Any]:
+    """Binds a move of the float32 ``x`` (an all-gather, a resharding) on
+    ``x`` rounded to ``compute``, and its derivative in float32.
+
+    Rounding commutes with a move, so the values are those of the move in
+    float32 followed by the rounding, at half the bytes moved. Moving the
+    rounded value as it is would move its cotangent back in the compute
+    dtype too: an FSDP gradient reduce-scattered in 16 bits, whose sum
+    over devices rounds where the float32 program's does not. The tangent
+    is moved in float32 and then rounded instead, so that its transpose
+    (the backward pass) widens the cotangent first and moves (sums) it in
+    float32, as PyTorch FSDP2's ``reduce_dtype`` does.
+    """
+
+    def move(value: Any) -> Any:
+        return _compat.bind_equation(eqn, [value])[0]
+
+    @jax.custom_jvp
+    def moved(value: Any) -> Any:
+        return move(value.astype(compute))
+
+    @moved.defjvp
+    def _(primals: Any, tangents: Any) -> Any:
+        (value,), (tangent,) = primals, tangents
+        return move(value.astype(compute)), move(tangent).astype(compute)
+
+    return [moved(x)]
 
 
 def bind(eqn: Any, node: Node, invals: Sequence[Any], dtype: Any) -> list[Any]:

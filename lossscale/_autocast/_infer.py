@@ -58,6 +58,7 @@ from lossscale._autocast._classes import (
 from lossscale._autocast._config import Config, JaxprCache
 from lossscale._autocast._plan import (
     CONVERT,
+    NARROW_MOVE,
     ROUNDING,
     EqnFacts,
     KindArgs,
@@ -725,12 +726,26 @@ def _promote(a: KindArgs) -> tuple[Node, list[Info]]:
         Cls.LOW,
         Cls.CONST16,
     }
+    # A result every use rounds anyway is rounded here, once.
+    float_unrounded = [
+        u for u, f in zip(a.unrounded, a.float_outs, strict=True) if f
+    ]
+    rounded = bool(float_unrounded) and not any(float_unrounded)
+    if (
+        rounded
+        and a.record.gathers
+        and a.floats == {Cls.F32}
+        and len(a.eqn.invars) == 1
+        and a.compute.itemsize < 4
+    ):
+        # Rounded before it moves, since rounding commutes with moving:
+        # an FSDP weight is gathered in 16 bits, not gathered in float32
+        # and then rounded (half the bytes), and its gradient is moved
+        # back (reduce-scattered) in float32 all the same, as today.
+        node, infos = a.result(Mode.COMPUTE, Cls.LOW)
+        return node._replace(data=NARROW_MOVE), infos
     if Cls.F32 in a.floats or (a.float_outs and all(a.only32) and not exact):
-        # A result every use rounds anyway is rounded here, once.
-        float_unrounded = [
-            u for u, f in zip(a.unrounded, a.float_outs, strict=True) if f
-        ]
-        if Cls.LOW in a.floats and float_unrounded and not any(float_unrounded):
+        if Cls.LOW in a.floats and rounded:
             return a.result(Mode.FLOAT32, Cls.LOW)
         return a.result(Mode.FLOAT32, Cls.F32)
     return a.result(Mode.COMPUTE, Cls.LOW)

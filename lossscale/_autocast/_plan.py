@@ -47,6 +47,11 @@ class Mode(enum.Enum):
     HIGHER = "higher"  # a handler of ._higher emits it from ``data``
 
 
+# A COMPUTE node's ``data`` for a move of a float32 value that every
+# reader rounds (``_rules.Record.gathers``): rounded first, then moved (an
+# FSDP all-gather in 16 bits), its derivative moved back in float32.
+NARROW_MOVE = "narrow move"
+
 # The modes in which a matmul rounds its operands (to the compute dtype,
 # or to float8 from whatever dtype they have).
 ROUNDING = frozenset({Mode.COMPUTE, Mode.FLOAT8})
@@ -60,7 +65,8 @@ class Node(NamedTuple):
     float32. ``remat``: its derivative is recomputed from its operands.
     ``data``: a higher-order equation's plans (:mod:`._higher`); for a
     float8 matmul, its :class:`._weights.Role`; for a matmul kept out of
-    float8, why.
+    float8, why; for a move that rounds before it moves,
+    :data:`NARROW_MOVE`.
     """
 
     mode: Mode

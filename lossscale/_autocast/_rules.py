@@ -41,8 +41,11 @@ The kinds (:class:`Kind`), and the public rule each one is
 The facts of a record (:class:`Record`): ``moves`` (it moves, selects or
 negates values: exact, so it commutes with rounding, and a constant keeps
 its range through it), ``pooling`` (max or min pooling, whose backward
-pass keeps its operand), ``collective``, ``remat`` (its derivative is
-recomputed from its 16-bit operand, not stored in float32),
+pass keeps its operand), ``collective``, ``gathers`` (it moves values
+between devices or shardings and adds none: an all-gather, a resharding;
+a float32 value that every reader rounds is rounded first and moved in
+the compute dtype, its derivative moved back in float32), ``remat`` (its
+derivative is recomputed from its 16-bit operand, not stored in float32),
 ``foldable`` (autocast may compute it at trace time on small constants),
 ``island`` (it may be recomputed inside a float32 island:
 :mod:`._islands`), ``keeps_nothing`` (its derivative reads none of its
@@ -115,6 +118,7 @@ class Record:
     moves: bool = False
     pooling: bool = False
     collective: bool = False
+    gathers: bool = False
     remat: bool = False
     foldable: bool = True
     island: bool = True
@@ -130,6 +134,11 @@ _MOVE = {"moves": True}
 _LINEAR_MOVE = {"moves": True, "keeps_nothing": True}
 _NOTHING = {"keeps_nothing": True}
 _COLLECTIVE = {"collective": True, "foldable": False}
+# Moves between devices that add nothing: rounding commutes with them, so
+# a float32 value that every reader rounds (an FSDP weight before its
+# matmul) is gathered in the compute dtype, at half the bytes.
+_GATHER = {**_COLLECTIVE, "gathers": True}
+_RESHARD = {**_MOVE, "foldable": False, "gathers": True}
 
 # One line a primitive: (name, kind, facts). Names as jax.make_jaxpr
 # prints them; the ones only some supported JAX versions have are
@@ -239,9 +248,9 @@ _SPEC: tuple[tuple[str, Kind, dict[str, bool]], ...] = (
     ("abs", P, _MOVE),
     ("copy", P, _LINEAR_MOVE),
     ("stop_gradient", P, _LINEAR_MOVE),
-    ("sharding_constraint", P, {**_MOVE, "foldable": False}),
-    ("mesh_cast", P, {**_MOVE, "foldable": False}),
-    ("reshard", P, {**_MOVE, "foldable": False}),
+    ("sharding_constraint", P, _RESHARD),
+    ("mesh_cast", P, _RESHARD),
+    ("reshard", P, _RESHARD),
     # Max and min pooling keep their operand's dtype, even where only
     # float32 reads their result: their backward pass
     # (select_and_scatter_add) keeps the operand, which would be float32
@@ -255,10 +264,10 @@ _SPEC: tuple[tuple[str, Kind, dict[str, bool]], ...] = (
     ("psum", P, _COLLECTIVE),
     ("psum_invariant", P, _COLLECTIVE),
     ("pvary", P, _COLLECTIVE),
-    ("all_gather", P, _COLLECTIVE),
-    ("all_gather_invariant", P, _COLLECTIVE),
-    ("ppermute", P, _COLLECTIVE),
-    ("all_to_all", P, _COLLECTIVE),
+    ("all_gather", P, _GATHER),
+    ("all_gather_invariant", P, _GATHER),
+    ("ppermute", P, _GATHER),
+    ("all_to_all", P, _GATHER),
     ("ragged_all_to_all", P, _COLLECTIVE),
     ("reduce_scatter", P, _COLLECTIVE),
     ("pmax", P, _COLLECTIVE),

@@ -1,0 +1,261 @@
+"""FSDP under autocast: float32 master weights gathered in the narrow type,
+their gradients reduced in float32 (issue 41, item 1).
+
+An MLP whose float32 weights are sharded on their first axis over four
+devices gathers each weight before its matmul, under ``jax.shard_map``
+(``all_gather``) and under Explicit mesh axes (``reshard``). Every reader
+of the gathered weight rounds it, so autocast rounds it first and gathers
+16 bits (half the bytes), while the gradient's transpose collective stays
+float32. The reference for the values is the same sharded program with its
+gathers in float32 (today's, kept by ``float32_scope``), not the unsharded
+one: rounding commutes with moving, so the two agree to float32 rounding.
+
+The dtypes and bytes are read with ``benchmarks/collectives.py``'s parser:
+from the lowered module (what autocast's program asks for) and from the
+compiled one (what XLA leaves). XLA's CPU backend widens a bfloat16
+collective to float32 (it keeps float16), so the compiled CPU module is
+checked with ``autocast(..., float16)``.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import lossscale
+from tests.helpers import explicit_mesh, relative_error, set_mesh
+from tests.test_benchmarks import _load
+
+pytestmark = pytest.mark.standard_promotion
+
+WIDTH = 128
+AXIS = "fsdp"
+F32_GATHER = 2 * (WIDTH * 4 * WIDTH) * 4  # both weights, whole, float32
+
+
+def _mlp(gather):
+    def loss(params, x, y):
+        w1 = gather(params["w1"])
+        w2 = gather(params["w2"])
+        h = jax.nn.relu(x @ w1)
+        return jnp.mean(jnp.square(h @ w2 - y))
+
+    return loss
+
+
+def _args(devices=4):
+    keys = jax.random.split(jax.random.key(0), 4)
+    params = {
+        "w1": jax.random.normal(keys[0], (WIDTH, 4 * WIDTH)) / WIDTH**0.5,
+        "w2": jax.random.normal(keys[1], (4 * WIDTH, WIDTH)) / WIDTH**0.5,
+    }
+    x = jax.random.normal(keys[2], (16 * devices, WIDTH))
+    y = jax.random.normal(keys[3], (16 * devices, WIDTH))
+    return params, x, y
+
+
+def _all_gather(float32):
+    def gather(w):
+        if float32:
+            with lossscale.float32_scope():
+                return jax.lax.all_gather(w, AXIS, tiled=True)
+        return jax.lax.all_gather(w, AXIS, tiled=True)
+
+    return gather
+
+
+def _reshard(float32):
+    def gather(w):
+        if float32:
+            with lossscale.float32_scope():
+                return jax.sharding.reshard(w, P())
+        return jax.sharding.reshard(w, P())
+
+    return gather
+
+
+def _shard_map_step(dtype, *, float32_gathers=False):
+    mesh = jax.sharding.Mesh(jax.devices()[:4], (AXIS,))
+    loss = _mlp(_all_gather(float32_gathers))
+    if dtype is not None:
+        loss = lossscale.autocast(loss, dtype)
+
+    def body(params, x, y):
+        value, grads = jax.value_and_grad(loss)(params, x, y)
+        return jax.lax.pmean(value, AXIS), grads
+
+    step = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P(AXIS), P(AXIS), P(AXIS)),
+            out_specs=(P(), P(AXIS)),
+        )
+    )
+    return step, _args()
+
+
+def _explicit_step(dtype, *, float32_gathers=False):
+    mesh = explicit_mesh((4,), (AXIS,), jax.devices()[:4])
+    loss = _mlp(_reshard(float32_gathers))
+    if dtype is not None:
+        loss = lossscale.autocast(loss, dtype)
+    sharding = NamedSharding(mesh, P(AXIS))
+    args = jax.device_put(_args(), sharding)
+    return mesh, jax.jit(jax.value_and_grad(loss)), args
+
+
+def _table(text):
+    c = _load("collectives")
+    return c.summary(c.collectives(text))
+
+
+def _bytes(table, op):
+    return sum(b for (o, _), (_, b) in table.items() if o == op)
+
+
+def _dtypes(table, op):
+    return {d for (o, d) in table if o == op}
+
+
+def _results(jaxpr, name):
+    """The dtypes of the results of ``name``'s equations, at any depth of
+    ``jaxpr`` (a list: one per result)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            found += [str(v.aval.dtype) for v in eqn.outvars]
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if hasattr(inner, "eqns"):
+                found += _results(inner, name)
+    return found
+
+
+# --- shard_map + all_gather ------------------------------------------------
+
+
+def test_float32_program_gathers_float32():
+    # The negative control: what the parser reads when nothing is narrowed.
+    step, args = _shard_map_step(None)
+    lowered = step.lower(*args)
+    for text in (lowered.as_text(dialect="hlo"), lowered.compile().as_text()):
+        table = _table(text)
+        assert _dtypes(table, "all-gather") == {"f32"}
+        assert _bytes(table, "all-gather") == F32_GATHER
+        assert _dtypes(table, "reduce-scatter") == {"f32"}
+
+
+@pytest.mark.parametrize(
+    "dtype", [jnp.bfloat16, jnp.float16, lossscale.Float8()], ids=str
+)
+def test_shard_map_gathers_16_bits_and_reduce_scatters_float32(dtype):
+    step, args = _shard_map_step(dtype)
+    jaxpr = jax.make_jaxpr(step)(*args).jaxpr
+    assert set(_results(jaxpr, "all_gather")) <= {"bfloat16", "float16"}
+    assert set(_results(jaxpr, "reduce_scatter")) == {"float32"}
+    table = _table(step.lower(*args).as_text(dialect="hlo"))
+    assert _bytes(table, "all-gather") <= 0.5 * F32_GATHER
+    assert _dtypes(table, "reduce-scatter") == {"f32"}
+
+
+def test_shard_map_compiled_on_cpu_keeps_float16_gathers():
+    # What XLA leaves (its CPU backend keeps float16 collectives; it
+    # widens bfloat16 ones to float32, which a GPU does not).
+    step, args = _shard_map_step(jnp.float16)
+    table = _table(step.lower(*args).compile().as_text())
+    assert _dtypes(table, "all-gather") == {"f16"}
+    assert _bytes(table, "all-gather") <= 0.5 * F32_GATHER
+    assert _dtypes(table, "reduce-scatter") == {"f32"}
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=str)
+def test_shard_map_values_equal_the_float32_gathers(dtype):
+    step, args = _shard_map_step(dtype)
+    reference, _ = _shard_map_step(dtype, float32_gathers=True)
+    # The reference does gather float32 (else it would prove nothing).
+    ref_table = _table(reference.lower(*args).as_text(dialect="hlo"))
+    assert _dtypes(ref_table, "all-gather") == {"f32"}
+    (value, grads), (ref_value, ref_grads) = step(*args), reference(*args)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    for k in grads:
+        assert grads[k].dtype == jnp.float32
+        np.testing.assert_allclose(grads[k], ref_grads[k], rtol=1e-5, atol=1e-7)
+
+
+def test_float32_reader_keeps_the_float32_gather():
+    # A reader that does not round (the gathered weight added in float32)
+    # keeps the gather in float32: nothing is rounded that was not before.
+    mesh = jax.sharding.Mesh(jax.devices()[:4], (AXIS,))
+
+    def loss(w, x):
+        g = jax.lax.all_gather(w, AXIS, tiled=True)
+        return jnp.sum(x @ g, axis=0) + jnp.sum(g, axis=0)
+
+    f = jax.shard_map(
+        lossscale.autocast(loss, jnp.bfloat16),
+        mesh=mesh,
+        in_specs=(P(AXIS), P(AXIS)),
+        out_specs=P(AXIS),
+    )
+    w, x = jnp.ones((16, 8)), jnp.ones((8, 16))
+    jaxpr = jax.make_jaxpr(f)(w, x).jaxpr
+    assert set(_results(jaxpr, "all_gather")) == {"float32"}
+
+
+# --- Explicit axes + reshard -----------------------------------------------
+
+
+def test_explicit_reshards_16_bits_and_keeps_the_values():
+    mesh, step, args = _explicit_step(jnp.float16)
+    _, reference, _ = _explicit_step(jnp.float16, float32_gathers=True)
+    _, plain, _ = _explicit_step(None)
+    with set_mesh(mesh):
+        jaxpr = jax.make_jaxpr(step)(*args).jaxpr
+        table = _table(step.lower(*args).compile().as_text())
+        ref_table = _table(reference.lower(*args).compile().as_text())
+        plain_table = _table(plain.lower(*args).compile().as_text())
+        (value, grads), (ref_value, ref_grads) = (
+            step(*args),
+            reference(*args),
+        )
+    # The forward reshard moves float16; its transpose moves float32.
+    dtypes = _results(jaxpr, "reshard")
+    assert dtypes.count("float16") == 2 and dtypes.count("float32") >= 2
+    # Negative controls: float32 programs gather float32.
+    for control in (ref_table, plain_table):
+        assert _dtypes(control, "all-gather") == {"f32"}
+        assert _bytes(control, "all-gather") == F32_GATHER
+    assert _dtypes(table, "all-gather") == {"f16"}
+    assert _bytes(table, "all-gather") <= 0.5 * F32_GATHER
+    # The weight gradient's matmul contracts the sharded batch axis, and
+    # JAX all-reduces its partial sums in that matmul's dtype (float16):
+    # as the float32 gathers' program does, not changed here.
+    assert table.get(("all-reduce", "f16")) == ref_table.get(
+        ("all-reduce", "f16")
+    )
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    for k in grads:
+        assert grads[k].dtype == jnp.float32
+        assert grads[k].sharding.is_equivalent_to(args[0][k].sharding, 2)
+        np.testing.assert_allclose(grads[k], ref_grads[k], rtol=1e-5, atol=1e-7)
+
+
+def test_float8_gathered_in_16_bits_is_as_close_to_float32():
+    # Under Float8() the weight is gathered in the compute dtype and
+    # quantised after (its amax the 16-bit values'), so the values are not
+    # the float32 gathers' bit for bit: float8's quanta flip. Its distance
+    # to the float32 program is that of the float32 gathers' program.
+    step, args = _shard_map_step(lossscale.Float8())
+    reference, _ = _shard_map_step(lossscale.Float8(), float32_gathers=True)
+    plain, _ = _shard_map_step(None)
+    (_, grads), (_, ref_grads), (_, exact) = (
+        step(*args),
+        reference(*args),
+        plain(*args),
+    )
+    for k in grads:
+        error = relative_error(grads[k], exact[k])
+        assert error <= 1.1 * relative_error(ref_grads[k], exact[k])
