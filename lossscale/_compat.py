@@ -100,6 +100,7 @@ __all__ = [
     "bind_as_call",
     "bind_equation",
     "convert",
+    "inline_jit",
     "is_literal",
     "is_tracer",
     "is_var",
@@ -386,6 +387,14 @@ def _inline_call(primitive: Any, params: tuple[tuple[str, Any], ...]) -> Any:
 
     call.__name__ = call.__qualname__ = primitive.name
     return jax.jit(call, inline=_INLINE)
+
+
+def inline_jit(fun: Callable[..., Any], **kwargs: Any) -> Any:
+    """``jax.jit(fun, inline=True, **kwargs)``, inlined where it is staged
+    on every supported JAX (``jax.Inline.JAX_EARLY`` on jax 0.12), as
+    ``jnp``'s functions are: traced once per abstract signature, then its
+    equations copied into the caller's jaxpr at each call."""
+    return jax.jit(fun, inline=_INLINE, **kwargs)
 
 
 def convert(x: Any, dtype: Any) -> Any:

@@ -645,8 +645,9 @@ def round_down_to_power_of_two(scale: jax.Array) -> jax.Array:
     NaN's mantissa would make it inf).
     """
     bits = lax.bitcast_convert_type(scale, np.uint32)
-    rounded = lax.bitcast_convert_type(bits & np.uint32(0xFF800000), F32)
-    return jnp.where(jnp.isnan(scale), scale, rounded)
+    mask = np.uint32(0xFF800000)
+    rounded = lax.bitcast_convert_type(lax.bitwise_and(bits, mask), F32)
+    return lax.select(lax.ne(scale, scale), scale, rounded)  # NaN kept
 
 
 def _scale(
@@ -654,16 +655,18 @@ def _scale(
 ) -> jax.Array:
     """float32 scale(s) of ``x`` for ``dtype``: one (a scalar) if ``axes``
     is ``None``, else one per position of the other axes (``keepdims``)."""
-    # initial=0: an operand of size 0 has an amax too (then its scale is
-    # finite, and its product zeros), as an empty sum is 0.
-    if axes is None:
-        amax = jnp.max(jnp.abs(x), initial=0)
-    else:
-        axes = tuple(axes)
-        amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True, initial=0)
-    amax = amax.astype(F32)
-    # jnp.minimum keeps a NaN (a NaN amax), and an inf amax gives 0.
-    scale = jnp.minimum(_MAX[dtype] / jnp.maximum(amax, EPS), MAX_SCALE)
+    # lax, not jnp: each jnp function is a jit call of its own to trace,
+    # and a float8 step quantises a few hundred times (its trace took
+    # 1.3x to 1.8x bfloat16's). ``x`` is float32 (_quantize).
+    reduced = tuple(range(x.ndim)) if axes is None else tuple(axes)
+    # The max with 0: an operand of size 0 has an amax too (then its scale
+    # is finite, and its product zeros), as an empty sum is 0; a NaN stays.
+    amax = lax.max(lax.reduce_max(lax.abs(x), reduced), np.float32(0))
+    if axes is not None:
+        amax = lax.expand_dims(amax, reduced)
+    # lax.min and lax.max keep a NaN (a NaN amax), and an inf amax gives 0.
+    scale = lax.div(np.float32(_MAX[dtype]), lax.max(amax, np.float32(EPS)))
+    scale = lax.min(scale, np.float32(MAX_SCALE))
     return round_down_to_power_of_two(scale) if pow2 else scale
 
 
@@ -679,27 +682,32 @@ def _as_float32(x: jax.Array) -> jax.Array:
     value, turns into whole-quantum flips). ``reduce_precision`` says the
     rounding in a form XLA keeps, and costs one elementwise operation in
     the quantisation's fusion."""
+    wide = lax.convert_element_type(x, F32)
     if np.dtype(x.dtype).itemsize != 2:  # float8 and float32 convert
-        return x.astype(F32)  # exactly; float64 rounds, as its matmul would
+        return wide  # exactly; float64 rounds, as its matmul would
     info = jnp.finfo(x.dtype)
     return lax.reduce_precision(
-        x.astype(F32), exponent_bits=info.nexp, mantissa_bits=info.nmant
+        wide, exponent_bits=info.nexp, mantissa_bits=info.nmant
     )
 
 
+@functools.partial(_compat.inline_jit, static_argnums=(1, 2, 3))
 def _quantize(
-    x: jax.Array, dtype: np.dtype, axes: Sequence[int] | None, pow2: bool
+    x: jax.Array, dtype: np.dtype, axes: tuple[int, ...] | None, pow2: bool
 ) -> tuple[jax.Array, jax.Array]:
+    # An inline jit: the layers of a model quantise operands of a few
+    # shapes, each traced once and inlined at every other call (a
+    # dozen-odd operations a quantisation, bound once each otherwise).
     x = _as_float32(x)
     scale = _scale(x, dtype, axes, pow2)
-    scaled = x * scale
+    scaled = lax.mul(x, scale)
     if _compat.FLOAT8_CONVERT_ROUNDS_TWICE:
         # Exact below for normal values; a subnormal one (under 2**-6 for
         # e4m3) may still round twice, at a tie.
         scaled = lax.reduce_precision(
             scaled, exponent_bits=5, mantissa_bits=jnp.finfo(dtype).nmant
         )
-    return scaled.astype(dtype), scale
+    return lax.convert_element_type(scaled, dtype), scale
 
 
 def _inverse_in_output(
@@ -710,7 +718,7 @@ def _inverse_in_output(
     (batch, lhs free, rhs free): the operand's batch axes in the order the
     dimension numbers give, its free axes in order, and size-1 axes for the
     other operand's free axes."""
-    inverse = 1.0 / scale
+    inverse = lax.div(np.float32(1), scale)
     if inverse.ndim == 0:
         return inverse
     free = [d for d in range(ndim) if d not in contract and d not in batch]
@@ -723,6 +731,7 @@ def _inverse_in_output(
     return lax.expand_dims(inverse, tuple(range(start, start + other_free)))
 
 
+@functools.partial(_compat.inline_jit, static_argnums=(4, 5))
 def _scaled_dot(
     qa: jax.Array, sa: jax.Array, qb: jax.Array, sb: jax.Array,
     dims: Dims, out_sharding: Any,
