@@ -241,3 +241,20 @@ def test_collectives_of_the_fsdp_step_on_four_cpu_devices():
     assert table["all-gather", "f32"] == (2, 8 * 2**20)
     assert table["reduce-scatter", "f32"] == (2, 2 * 2**20)
     assert "| float32 | all-gather | f32 | 2 | 8.000 |" in c.report(mesh)
+
+
+@pytest.mark.slow
+@pytest.mark.standard_promotion
+def test_float8_trace_benchmark_reports_every_variant_and_layout(tmp_path):
+    bench = _load("float8_trace")
+    out = tmp_path / "trace.md"
+    report = bench.main(
+        ["--rounds", "1", "--layers", "1", "--width", "32", "--out", str(out)]
+    )
+    assert out.read_text() == report
+    for layout in ("unrolled", "scanned"):
+        for variant in bench.VARIANTS:
+            assert f"| {layout} | {variant} | " in report
+    # The reference's ratios are 1 by construction.
+    rows = [r for r in report.splitlines() if "| autocast bfloat16 |" in r]
+    assert all(r.split("|")[4].strip() == "1.00" for r in rows)
