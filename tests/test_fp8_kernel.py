@@ -581,6 +581,15 @@ def test_jitted_gradient_of_one_row_matches_eager():
     np.testing.assert_allclose(jitted, eager, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.xfail(
+    jax.__version_info__ < (0, 8),
+    strict=True,
+    reason="jax 0.7.0's XLA:CPU rounds twice in this fused case too (448**2 "
+    "+ 7 * 256**2), and there the workaround of 0.8 and 0.9 "
+    "(_compat.FLOAT8_CONVERT_ROUNDS_TWICE) breaks other float8 results: "
+    "the numpy-reference tests of this file fail by up to 4.5 past "
+    "rounding with it (measured 2026-12-04), and pass without it",
+)
 def test_quantisation_fused_into_a_dot_rounds_once():
     # The minimal case of jax 0.8.3's and 0.9.2's XLA:CPU: 247.94 rounds to
     # e4m3's 240 (256 is farther); through float16 it became 248.0, a tie
