@@ -2,8 +2,8 @@
 from the dataflow (lossscale/_autocast/_weights.py), and what follows from
 it: ``rowwise_with_gw_hp``'s 16-bit weight gradient on either side of the
 matmul, eligibility from the weight's sizes, what is not a linear layer,
-layers kept out by name, the weight's path in ``lossscale.matmuls``, and
-``autocast`` around a gradient refused.
+layers kept out by name or by a callable, the weight's path in
+``lossscale.matmuls``, and ``autocast`` around a gradient refused.
 
 Values are read against float32's, dtypes from the jaxprs of the
 gradients (through the ``cond`` that ``lax.platform_dependent`` makes of
@@ -629,3 +629,176 @@ def test_auto_filter_is_torchaos(recipe, weight_shape, converted):
     assert lossscale.Float8(recipe).ineligible(x, weight_shape, dims, 1) is None
     with pytest.raises(ValueError, match="auto_filter has sizes"):
         lossscale.Float8(GW_HP, auto_filter=True)
+
+
+# --- layers kept out by a callable ------------------------------------------
+
+PARAMS = {
+    "w1": normal(3, (64, 64), 1 / 8),
+    "w2": normal(4, (64, 128), 1 / 8),
+    "head": normal(5, (128, 32), 1 / 8),
+}
+
+
+def _three_layers(p, x):
+    h = jnp.tanh(x @ p["w1"])
+    h = jnp.tanh(h @ p["w2"])
+    return jnp.mean(h @ p["head"])
+
+
+def _wide(m):
+    return m.out_features == 128
+
+
+def test_a_callable_exclude_keeps_out_exactly_what_it_returns_true_for():
+    f8 = lossscale.autocast(_three_layers, lossscale.Float8(exclude=_wide))
+    assert f8._config.float8.exclude == (_wide,)  # alone, not in a tuple
+    report = lossscale.matmuls(f8, PARAMS, X)
+    assert [(m.dtype, m.weight, m.why) for m in report] == [
+        (E4, "w1", "float8"),
+        ("bfloat16", "w2", "Float8(exclude=...): _wide"),
+        (E4, "head", "float8"),
+    ]
+    # The program: two float8 forward products, and w2's in bfloat16,
+    # backward too (its input gradient and weight gradient).
+    dots = dot_dtypes(jax.make_jaxpr(jax.grad(f8))(PARAMS, X))
+    assert dots.count((E4, E4)) == 2
+    assert dots.count(("bfloat16", "bfloat16")) == 3
+    values = jax.grad(f8)(PARAMS, X)
+    assert all(v.dtype == jnp.float32 for v in values.values())
+
+
+def test_a_callable_exclude_that_returns_false_changes_nothing():
+    seen = []
+
+    def record(m):
+        seen.append(m)
+        return False
+
+    def program(f):
+        return dot_dtypes(jax.make_jaxpr(jax.grad(f))(PARAMS, X))
+
+    plain = lossscale.autocast(_three_layers, lossscale.Float8())
+    kept = lossscale.autocast(_three_layers, lossscale.Float8(exclude=record))
+    # It warns in the listing and in the call, as a name that matches none.
+    with pytest.warns(UserWarning, match="callable .*record returned True"):
+        assert lossscale.matmuls(kept, PARAMS, X) == lossscale.matmuls(
+            plain, PARAMS, X
+        )
+    with pytest.warns(UserWarning, match="callable .*record returned True"):
+        assert program(kept) == program(plain)
+    assert program(plain).count((E4, E4)) == 3
+    assert {(m.weight, m.in_features, m.out_features) for m in seen} == {
+        ("w1", 64, 64),
+        ("w2", 64, 128),
+        ("head", 128, 32),
+    }
+
+
+def test_a_callable_exclude_is_told_what_the_matmul_is():
+    seen = set()
+
+    def record(m):
+        seen.add(m)
+        return False
+
+    @jax.jit
+    def block(h, w):
+        return jnp.tanh(h @ w)
+
+    def loss(p, x):
+        with jax.named_scope("decoder"):
+            h = block(x, p["w1"])
+        scores = h @ h.T  # not a linear layer
+        out = p["w2"].T @ (scores @ h).T  # the weight on the left
+        return jnp.mean(out)
+
+    f8 = lossscale.autocast(loss, lossscale.Float8(exclude=record))
+    with pytest.warns(UserWarning, match="returned True for no matmul"):
+        lossscale.matmuls(f8, PARAMS, X)
+    assert seen == {
+        lossscale.MatmulInfo(
+            "decoder/block", "w1", ((32, 64), (64, 64)), 1, 64, 64
+        ),
+        lossscale.MatmulInfo("", "", ((32, 64), (64, 32)), None, None, None),
+        lossscale.MatmulInfo("", "", ((32, 32), (32, 64)), None, None, None),
+        lossscale.MatmulInfo("", "w2", ((128, 64), (64, 32)), 0, 64, 128),
+    }
+
+
+def test_a_callable_exclude_decides_at_each_place_a_layer_is_called():
+    # One jax.jit-ed layer, called in two scopes with the same weight: one
+    # plan would serve both if the callable could not tell them apart.
+    @jax.jit
+    def layer(h, w):
+        return jnp.tanh(h @ w)
+
+    def loss(w, x):
+        with jax.named_scope("encoder"):
+            x = layer(x, w)
+        with jax.named_scope("decoder"):
+            return jnp.mean(layer(x, w))
+
+    def decoder(m):
+        return m.where.startswith("decoder/")
+
+    w = PARAMS["w1"]
+    f8 = lossscale.autocast(loss, lossscale.Float8(exclude=decoder))
+    report = lossscale.matmuls(f8, w, X)
+    assert [(m.dtype, m.where) for m in report] == [
+        (E4, "encoder/layer"),
+        ("bfloat16", "decoder/layer"),
+    ]
+    assert dot_dtypes(jax.make_jaxpr(f8)(w, X)) == [
+        (E4, E4),
+        ("bfloat16", "bfloat16"),
+    ]
+
+
+def test_names_and_callables_mixed_in_order():
+    def head_too(m):
+        return m.out_features in (128, 32)
+
+    f8 = lossscale.autocast(
+        _three_layers, lossscale.Float8(exclude=("head", head_too))
+    )
+    report = lossscale.matmuls(f8, PARAMS, X)
+    assert [(m.dtype, m.why) for m in report] == [
+        (E4, "float8"),
+        ("bfloat16", f"Float8(exclude=...): {head_too.__qualname__}"),
+        ("bfloat16", "Float8(exclude=...): 'head'"),  # the first entry's
+    ]
+    with warnings.catch_warnings():  # both matched: neither warns
+        warnings.simplefilter("error")
+        f8(PARAMS, X)
+
+
+def test_a_callable_exclude_that_raises_propagates():
+    def broken(m):
+        raise ValueError(f"no rule for {m.weight}")
+
+    f8 = lossscale.autocast(_three_layers, lossscale.Float8(exclude=broken))
+    with pytest.raises(ValueError, match="no rule for w1"):
+        f8(PARAMS, X)
+
+
+def test_an_exclude_that_is_neither_a_name_nor_a_hashable_callable():
+    class Unhashable:
+        def __eq__(self, other):
+            return self is other
+
+        def __call__(self, m):
+            return False
+
+    for bad, shown in [
+        (["head", 3], r"got 3 in exclude=\['head', 3\]"),
+        (3, "got 3 in exclude=3"),
+        ([_wide, ""], "got '' in"),
+        ([Unhashable()], "got <.*Unhashable object"),
+    ]:
+        with pytest.raises(TypeError, match=f"exclude must be .*{shown}"):
+            lossscale.Float8(exclude=bad)
+    # A recipe with a callable is a static jit argument: hashable, equal
+    # to another with the same function.
+    assert lossscale.Float8(exclude=_wide) == lossscale.Float8(exclude=[_wide])
+    assert hash(lossscale.Float8(exclude=("head", _wide))) is not None

@@ -57,6 +57,7 @@ from lossscale._autocast._api import (
 from lossscale._autocast._fp8 import Cast as Float8Cast
 from lossscale._autocast._fp8 import Float8
 from lossscale._autocast._fp8 import Recipe as Float8Recipe
+from lossscale._autocast._matmul import MatmulInfo
 from lossscale._autocast._report import Matmul, matmuls
 from lossscale._autocast._rules import FUNCTION_RULES, PRIMITIVE_RULES
 
@@ -67,6 +68,7 @@ __all__ = [
     "Float8Cast",
     "Float8Recipe",
     "Matmul",
+    "MatmulInfo",
     "autocast",
     "check_compute_dtype",
     "compute_scope",

@@ -95,7 +95,7 @@ class Config:
         return self._function_rules.get(name)
 
     @functools.cached_property
-    def overrides(self) -> frozenset[tuple[str, str]]:
+    def overrides(self) -> frozenset[tuple[str, Any]]:
         """The user's overrides, as ``("primitive" | "function" |
         "exclude", name)`` (``"exclude"``: a float8 recipe's)."""
         excluded = () if self.float8 is None else self.float8.exclude

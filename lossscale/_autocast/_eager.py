@@ -121,8 +121,8 @@ class Autocast:
         )
         self._compiles: collections.Counter[Any] = collections.Counter()
         self._recompiles_warned = False
-        self._used: set[tuple[str, str]] = set()
-        self._warned: set[tuple[str, str]] = set()
+        self._used: set[tuple[str, Any]] = set()
+        self._warned: set[tuple[str, Any]] = set()
 
     # Equal to another wrapper of the same function and configuration,
     # as jax.tree_util.Partial is: JAX's caches are keyed on functions.

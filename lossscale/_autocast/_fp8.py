@@ -200,7 +200,8 @@ class Float8:
       format) is ``Float8("tensorwise")``;
     - torchao's ``Float8LinearConfig.from_recipe_name(name)`` is
       ``Float8(name)``, with the same casts and ``power_of_two_scales``
-      default; its ``module_filter_fn`` is :attr:`exclude` (or
+      default; its ``module_filter_fn`` is :attr:`exclude` with a callable
+      that returns the opposite (or a name, or
       :func:`lossscale.compute_scope`);
     - flax's ``Fp8DotGeneral`` (``flax.linen.fp8_ops``) uses *delayed*
       scaling: scales from an amax history kept as state and passed through
@@ -232,14 +233,26 @@ class Float8:
         module: ``autocast(model)(x)``); a traced value the function
         closes over (the batch of ``loss_fn(params)`` inside a jitted
         step) is then data.
-      exclude: under :func:`lossscale.autocast`, names (or one name) that
-        keep a matmul in the 16-bit ``compute_dtype``, as torchao's
-        ``module_filter_fn`` and torchtitan's ``filter_fqns`` do: one whose
-        weight's path (as :attr:`lossscale.Matmul.weight` shows it,
-        ``"head.kernel"``), named scope, or calling ``jax.jit``-ed function
-        has the name's parts among its own, in a row (``"layers.1"`` names
-        ``"layers.1.kernel"``, not ``"layers.10.kernel"``). A name that
-        matches no matmul warns.
+      exclude: under :func:`lossscale.autocast`, names and callables (or
+        one of either) that keep a matmul in the 16-bit ``compute_dtype``,
+        as torchao's ``module_filter_fn`` and torchtitan's ``filter_fqns``
+        do. A name keeps out each matmul whose weight's path (as
+        :attr:`lossscale.Matmul.weight` shows it, ``"head.kernel"``), named
+        scope, or calling ``jax.jit``-ed function has the name's parts
+        among its own, in a row (``"layers.1"`` names
+        ``"layers.1.kernel"``, not ``"layers.10.kernel"``). A callable
+        ``fn(matmul) -> bool`` is called at trace time with each matmul's
+        :class:`lossscale.MatmulInfo` (its scopes, weight path, shapes,
+        ``in_features`` and ``out_features``) and keeps it out where it
+        returns ``True`` (the opposite of torchao's ``module_filter_fn``,
+        whose ``True`` converts); its exceptions propagate. It may be
+        called more than once for a matmul, so it should depend on its
+        argument only. It must be hashable (a function is), and is part
+        of the recipe's identity: a new ``lambda`` at each step is a new
+        recipe, traced again. The entries are tried in order, and the
+        first that keeps a matmul out is the reason
+        :func:`lossscale.matmuls` gives. A name that matches no matmul,
+        or a callable that returns ``True`` for none, warns.
       auto_filter: keep in ``compute_dtype`` the linear layers too small
         to gain from float8, by torchao's size thresholds
         (``_auto_filter_for_recipe``, measured on an H100; default
@@ -280,7 +293,7 @@ class Float8:
     params_argnums: int | tuple[int, ...] | None = dataclasses.field(
         default=None, kw_only=True
     )
-    exclude: str | Sequence[str] = dataclasses.field(default=(), kw_only=True)
+    exclude: Any = dataclasses.field(default=(), kw_only=True)
     auto_filter: bool = dataclasses.field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
@@ -335,19 +348,25 @@ class Float8:
                 f"are closed over), got params_argnums={argnums!r}."
             )
         exclude = self.exclude
-        if isinstance(exclude, str):
+        if isinstance(exclude, str) or callable(exclude):
             exclude = (exclude,)
         try:
             exclude = tuple(exclude)
         except TypeError:
-            exclude = None
-        if exclude is None or not all(
-            isinstance(e, str) and e for e in exclude
-        ):
+            exclude = (exclude,)
+        # A callable is hashed with the recipe, a static jit argument.
+        bad = [
+            e
+            for e in exclude
+            if not (isinstance(e, str) and e)
+            and not (callable(e) and type(e).__hash__ is not None)
+        ]
+        if bad:
             raise TypeError(
-                "exclude must be a non-empty name or a sequence of them "
-                f"(parts of a weight's path or scope), got exclude="
-                f"{self.exclude!r}."
+                "exclude must be a non-empty name (parts of a weight's path "
+                "or scope), a hashable callable (fn(lossscale.MatmulInfo) -> "
+                "bool, True to keep a matmul out of float8), or a sequence "
+                f"of them, got {bad[0]!r} in exclude={self.exclude!r}."
             )
         object.__setattr__(self, "exclude", exclude)
         if not isinstance(self.auto_filter, bool | np.bool_):

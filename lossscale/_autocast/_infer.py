@@ -199,6 +199,7 @@ def infer(
         tuple(demanded),
         tuple(as_traced),
         sources,
+        _matmul.place(config.float8),
     )
     return _PLANS.get(
         jaxpr,
@@ -231,7 +232,7 @@ class _Planning:
         # higher-order equation reaches its jaxprs with.
         self.roles = analysis.roles
         self.sites = analysis.sites
-        self.used: set[tuple[str, str]] = set()
+        self.used: set[tuple[str, Any]] = set()
         self.as_traced: frozenset[Any] = frozenset()
 
 
@@ -776,9 +777,9 @@ def _forward(
         if config.float8 is not None and ef.matmul:
             # Kept in float32 all the same: an exclude naming it matched.
             role = planning.roles.get(eqn)
-            pattern = _matmul.excluded_by(eqn, config.float8, role)
-            if pattern:
-                planning.used.add(("exclude", pattern))
+            entry = _matmul.excluded_by(eqn, config.float8, role)
+            if entry is not None:
+                planning.used.add(("exclude", entry))
         return traced(eqn, infos, compute, ef)
     higher = HIGHER.get(eqn.primitive)
     if higher is not None or ef.function is not None:
@@ -793,7 +794,7 @@ def _forward(
             _matmul.kept_out(eqn, config.float8, planning.used) is not None
         ):
             config = config.sixteen_bit
-        with _weights.at(planning.sites.get(eqn, {})):
+        with _weights.at(planning.sites.get(eqn, {})), _matmul.inside(eqn):
             node = higher.infer(config, eqn, infos, only32, demanded)
         return node, [Info(c) for c in node.outs]
     floats = {i.cls for i, f in zip(infos, ef.float_in, strict=True) if f}

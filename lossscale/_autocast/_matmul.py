@@ -12,9 +12,11 @@ inference pass's (:data:`._infer.KINDS`); which operand is the weight is
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import math
 import re
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -80,39 +82,150 @@ def matches(pattern: str, names: Sequence[str]) -> bool:
     return False
 
 
-def excluded_by(eqn: Any, float8: Any, role: _weights.Role | None) -> str:
-    """The first of ``float8.exclude`` that names the matmul's weight path,
-    a scope it was traced in, or the function that calls it (``""``:
-    none)."""
+class MatmulInfo(NamedTuple):
+    """A matmul as a callable in :attr:`lossscale.Float8.exclude` sees it.
+
+    :func:`lossscale.autocast` builds one for each matmul that a float8
+    recipe could run (each ``dot_general``) while it plans the traced
+    program, before it decides the matmul's dtype; the fields it shares
+    with :class:`lossscale.Matmul` read as :func:`lossscale.matmuls`
+    shows them, so that a filter can be written from its listing.
+
+    Attributes:
+        where: the named scopes and ``jax.jit``-ed functions it was traced
+            in, ``"outer/inner"`` (as :attr:`lossscale.Matmul.where`).
+        weight: the path of the parameter its weight operand is computed
+            from (``"head.kernel"``; several joined by ``", "``),
+            ``"<constant>"`` for a weight the function closes over, ``""``
+            for a matmul that is not a linear layer (as
+            :attr:`lossscale.Matmul.weight`).
+        shapes: the shapes of its two operands, ``(lhs, rhs)``.
+        weight_operand: which operand is the weight (0: lhs, 1: rhs);
+            ``None`` for a matmul that is not a linear layer.
+        in_features: the weight's contracted size (K: an ``nn.Linear``'s
+            ``in_features``); ``None`` where ``weight_operand`` is.
+        out_features: the weight's other sizes, multiplied (N: an
+            ``nn.Linear``'s ``out_features``; ``None`` where
+            ``weight_operand`` is). Sizes are symbolic under
+            ``jax.export``'s shape polymorphism.
+    """
+
+    where: str
+    weight: str
+    shapes: tuple[tuple[int, ...], ...]
+    weight_operand: int | None
+    in_features: int | None
+    out_features: int | None
+
+
+_WHERE: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "lossscale_matmul_where", default=""
+)
+
+
+def join(*parts: str) -> str:
+    return "/".join(p for p in parts if p)
+
+
+def scopes(eqn: Any) -> str:
+    """What a higher-order equation adds to the place of its jaxprs'
+    equations: its named scopes and the name of the function it calls."""
+    return join(_compat.name_stack(eqn), _compat.function_name(eqn) or "")
+
+
+@contextlib.contextmanager
+def inside(eqn: Any) -> Iterator[None]:
+    """While planning a higher-order equation's jaxprs: the scopes and
+    functions above them, which a callable ``exclude`` reads
+    (:attr:`MatmulInfo.where`)."""
+    token = _WHERE.set(join(_WHERE.get(), scopes(eqn)))
+    try:
+        yield
+    finally:
+        _WHERE.reset(token)
+
+
+def place(float8: Any) -> str | None:
+    """Where a jaxpr is being planned, for its plan's key: a callable
+    ``exclude`` may decide otherwise at each place, so that a layer called
+    under two scopes is planned at each (``None``: no callable reads it,
+    and one plan serves every place)."""
+    if float8 is None or not any(callable(e) for e in float8.exclude):
+        return None
+    return _WHERE.get()
+
+
+def describe(eqn: Any, role: _weights.Role | None) -> MatmulInfo:
+    """The :class:`MatmulInfo` of a ``dot_general`` where it is planned."""
+    shapes = tuple(tuple(v.aval.shape) for v in eqn.invars)
+    weight, path, k, n = None, "", None, None
+    if role is not None and role.weight is not None:
+        weight = role.weight
+        path = ", ".join(sorted(role.leaves)) or "<constant>"
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        contract, batch = (lc, lb) if weight == 0 else (rc, rb)
+        k = math.prod(shapes[weight][d] for d in contract)
+        n = math.prod(
+            size
+            for d, size in enumerate(shapes[weight])
+            if d not in (*contract, *batch)
+        )
+    where = join(_WHERE.get(), _compat.name_stack(eqn))
+    return MatmulInfo(where, path, shapes, weight, k, n)
+
+
+def label(entry: str | Callable[..., Any]) -> str:
+    """An ``exclude`` entry as messages name it: a name quoted, a
+    callable by its qualified name."""
+    if isinstance(entry, str):
+        return repr(entry)
+    return getattr(entry, "__qualname__", None) or repr(entry)
+
+
+def excluded_by(
+    eqn: Any, float8: Any, role: _weights.Role | None, *, matmul: bool = True
+) -> Any:
+    """The first of ``float8.exclude`` that keeps the equation out of
+    float8: a name of the matmul's weight path, a scope it was traced in,
+    or the function it calls, or (for a ``matmul``) a callable that
+    returns ``True`` for its :class:`MatmulInfo`; ``None``: none. A
+    callable's exception propagates."""
     if not float8.exclude:
-        return ""
+        return None
     names = [_compat.name_stack(eqn), _compat.function_name(eqn) or ""]
     if role is not None and role.weight is not None:
         names.extend(role.leaves)
-    for pattern in float8.exclude:
-        if matches(pattern, names):
-            return pattern
-    return ""
+    info = None
+    for entry in float8.exclude:
+        if isinstance(entry, str):
+            if matches(entry, names):
+                return entry
+        elif matmul:
+            info = describe(eqn, role) if info is None else info
+            if entry(info):
+                return entry
+    return None
 
 
-def kept_out(eqn: Any, float8: Any, used: set[tuple[str, str]]) -> str | None:
+def kept_out(eqn: Any, float8: Any, used: set[tuple[str, Any]]) -> str | None:
     """Why a higher-order equation's matmuls are kept out of float8
     (``float8``: the recipe, or ``None``), as :func:`lossscale.matmuls`
     says it: traced in :func:`lossscale.compute_scope`, or a function or
-    scope that ``exclude`` names (noted in ``used``); ``None``: not."""
+    scope that an ``exclude`` name names (noted in ``used``; a callable
+    decides on each matmul inside instead); ``None``: not."""
     if float8 is None:
         return None
     if in_compute_scope(eqn):
         return "compute_scope"
-    pattern = excluded_by(eqn, float8, None)
-    if not pattern:
+    entry = excluded_by(eqn, float8, None, matmul=False)
+    if entry is None:
         return None
-    used.add(("exclude", pattern))
-    return f"Float8(exclude=...): {pattern!r}"
+    used.add(("exclude", entry))
+    return f"Float8(exclude=...): {label(entry)}"
 
 
 def float8_ineligible(
-    eqn: Any, float8: Any, role: _weights.Role | None, excluded: str
+    eqn: Any, float8: Any, role: _weights.Role | None, excluded: Any
 ) -> str | None:
     """Why a ``dot_general`` of the float8 kind runs in the 16-bit
     compute dtype instead (``None``: it runs in float8). ``role``: what
@@ -126,8 +239,8 @@ def float8_ineligible(
         return "a preferred_element_type wider than its operands"
     if in_compute_scope(eqn):
         return "compute_scope"
-    if excluded:
-        return f"Float8(exclude=...): {excluded!r}"
+    if excluded is not None:
+        return f"Float8(exclude=...): {label(excluded)}"
     weight = None
     if role is not None:
         weight = role.weight
@@ -159,18 +272,18 @@ def float8_rule(a: KindArgs) -> tuple[Node, list[Info]]:
     a linear layer the recipe takes (its node's data is its
     :class:`._weights.Role`), else :func:`matmul_rule` with the reason;
     refused where it is a derivative's."""
-    pattern = excluded_by(a.eqn, a.float8, a.role)
-    if pattern:
-        a.used.add(("exclude", pattern))
+    entry = excluded_by(a.eqn, a.float8, a.role)
+    if entry is not None:
+        a.used.add(("exclude", entry))
     if (
         TRANSPOSED.search(_compat.name_stack(a.eqn))
-        and not pattern
+        and entry is None
         and not in_compute_scope(a.eqn)
     ):
         # Whether it would run in float8 or not: its format would not be
         # the recipe's backward one either way.
         raise TypeError(GRADIENT_TRACED)
-    reason = float8_ineligible(a.eqn, a.float8, a.role, pattern)
+    reason = float8_ineligible(a.eqn, a.float8, a.role, entry)
     if reason is not None:
         node, outs = matmul_rule(a)
         return node._replace(data=reason), outs

@@ -89,7 +89,7 @@ class Plan(NamedTuple):
     exact: bool  # only data movement, selection and max/min
     # The user's overrides it applied, and the functions it called (by
     # name), its sub-plans' included.
-    used: frozenset[tuple[str, str]] = frozenset()
+    used: frozenset[tuple[str, Any]] = frozenset()
     functions: frozenset[str] = frozenset()
     # The equations of islands bound before their checkpoint.
     outside: frozenset[Any] = frozenset()
@@ -193,7 +193,7 @@ class KindArgs(NamedTuple):
     float8: Any
     facts: EqnFacts
     role: _weights.Role | None  # a matmul's, under a float8 recipe
-    used: set[tuple[str, str]]  # the overrides the plan applied
+    used: set[tuple[str, Any]]  # the overrides the plan applied
 
     def result(
         self, mode: Mode, cls: Cls, remat: bool = False

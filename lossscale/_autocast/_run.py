@@ -29,7 +29,7 @@ from lossscale._autocast._config import Call, Config
 
 class Result(NamedTuple):
     value: Any
-    used: frozenset[tuple[str, str]]  # the overrides that applied
+    used: frozenset[tuple[str, Any]]  # the overrides that applied
     functions: frozenset[str]  # the functions the program called
     # The positions of the array arguments that a jax.jit called on them
     # directly donates, and an output of the same type could take (so that
@@ -340,13 +340,14 @@ def _closed_over_state(fun: Callable[..., Any]) -> Exception:
 
 def warn_unused(
     config: Config,
-    used: frozenset[tuple[str, str]],
+    used: frozenset[tuple[str, Any]],
     functions: frozenset[str],
-    warned: set[tuple[str, str]],
+    warned: set[tuple[str, Any]],
 ) -> None:
     """Warns, once each, of the overrides no equation matched; refuses a
     function's name given as a primitive's."""
-    for kind, name in sorted(config.overrides - used - warned):
+    unused = config.overrides - used - warned
+    for kind, name in sorted(unused, key=lambda o: (o[0], _matmul.label(o[1]))):
         if kind == "primitive" and name in functions:
             raise ValueError(
                 f"rules[{name!r}]: {name!r} is a function of the traced "
@@ -357,6 +358,16 @@ def warn_unused(
                 "rules only)."
             )
         warned.add((kind, name))
+        if kind == "exclude" and callable(name):
+            warnings.warn(
+                "lossscale.autocast: Float8(exclude=...) callable "
+                f"{_matmul.label(name)} returned True for no matmul "
+                "(lossscale.matmuls lists each matmul's weight path, "
+                "shapes and scopes).",
+                UserWarning,
+                stacklevel=4,
+            )
+            continue
         if kind == "exclude":
             warnings.warn(
                 f"lossscale.autocast: Float8(exclude=...) entry {name!r} is "
