@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import math
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
 import jax
@@ -293,7 +293,11 @@ class Float8:
     params_argnums: int | tuple[int, ...] | None = dataclasses.field(
         default=None, kw_only=True
     )
-    exclude: Any = dataclasses.field(default=(), kw_only=True)
+    # A callable takes a ``lossscale.MatmulInfo`` (``_matmul``'s, a module
+    # above this leaf one).
+    exclude: (
+        str | Callable[[Any], bool] | Sequence[str | Callable[[Any], bool]]
+    ) = dataclasses.field(default=(), kw_only=True)
     auto_filter: bool = dataclasses.field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
