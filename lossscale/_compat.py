@@ -831,3 +831,108 @@ def sharded_for(x: Any, target: Any) -> Any:
     return jax.sharding.reshard(
         x, sharding.update(spec=jax.sharding.PartitionSpec(*want))
     )
+
+
+# --- a float8 matmul as a remat policy sees it (lossscale/_autocast/_fp8.py)
+#
+# A policy of ``jax.checkpoint`` is asked about each equation of the
+# forward pass. Inlined, a float8 matmul is a ``dot_general`` of float8
+# operands with a float32 result, then its scaling and its cast to the
+# compute dtype: the dots-saveable policies save that float32 result, 4
+# bytes an element where a 16-bit matmul's saved result is 2. Bound as one
+# equation of its own (the primitive below), it is saved or recomputed as a
+# whole, as the policy decides for the ``dot_general`` inside it: what is
+# saved is then its compute-dtype result. It lowers to the same operations
+# as the inlined form (XLA sees the same program). A nested checkpoint
+# would not do it: JAX's rule for one hands the outer policy its inner
+# equations (``jax/_src/ad_checkpoint.py``).
+#
+# Internals used: ``pe.partial_eval_jaxpr_custom_rules`` (the remat rule),
+# ``batching.primitive_batchers``, ``mlir.register_lowering`` and
+# ``mlir.lower_fun``, ``dispatch.apply_primitive``, ``pe.ensure_enum`` and
+# ``pe.Saveable``. If one is missing, :func:`bind_as_dot` evaluates the
+# jaxpr inline: the numbers are the same, and a policy saves the float32
+# result again.
+
+
+def _dot_primitive() -> Any:
+    """The primitive, or ``None`` where JAX lacks what it needs."""
+    try:
+        from jax._src import dispatch
+        from jax._src.interpreters import batching, mlir
+        from jax._src.interpreters import partial_eval as pe
+
+        ensure_enum, saveable_type = pe.ensure_enum, pe.SaveableType
+        rules = pe.partial_eval_jaxpr_custom_rules
+    except (ImportError, AttributeError):  # pragma: no cover
+        return None
+
+    primitive = jex_core.Primitive("lossscale_float8_dot")
+
+    def evaluate(*args: Any, jaxpr: Any) -> Any:
+        return jex_core.jaxpr_as_fun(jaxpr)(*args)[0]
+
+    def abstract_eval(*args: Any, jaxpr: Any) -> Any:
+        del args
+        return jaxpr.out_avals[0]
+
+    def batch(args: Sequence[Any], dims: Sequence[Any], *, jaxpr: Any) -> Any:
+        # The vmapped jaxpr bound again: its dot_general is the one that
+        # a 16-bit matmul vmapped the same way would be (a batch axis for
+        # a batched operand of each side), for the policy to judge.
+        fun = jax.vmap(
+            functools.partial(evaluate, jaxpr=jaxpr),
+            in_axes=tuple(dims),
+        )
+        return bind_as_dot(jax.jit(fun).trace(*args).jaxpr, args), 0
+
+    def remat_rule(
+        saveable: Any, unks_in: Sequence[bool], inst_in: Sequence[bool],
+        eqn: Any,
+    ) -> tuple[Any, Any, list[bool], list[bool], list[Any]]:  # fmt: skip
+        # As partial_eval_jaxpr_custom treats a primitive
+        # (jax/_src/interpreters/partial_eval.py), with the policy asked
+        # about the dot_general inside: known and saved, known and
+        # recomputed where the backward pass needs it, or unknown.
+        n = len(eqn.outvars)
+        res = [
+            v
+            for v, inst in zip(eqn.invars, inst_in, strict=True)
+            if not inst and is_var(v)
+        ]
+        if any(unks_in):
+            return None, eqn, [True] * n, [True] * n, res
+        (dot,) = (
+            e for e in eqn.params["jaxpr"].jaxpr.eqns
+            if e.primitive is lax.dot_general_p
+        )  # fmt: skip
+        policy = ensure_enum(
+            saveable(dot.primitive, *(v.aval for v in dot.invars), **dot.params)
+        )
+        if isinstance(policy, saveable_type):
+            return eqn, None, [False] * n, [False] * n, []
+        # Recomputed (an offloading policy's choice too: what it would
+        # move to the host is recomputed instead).
+        return eqn, eqn, [False] * n, [True] * n, res
+
+    primitive.def_impl(functools.partial(dispatch.apply_primitive, primitive))
+    primitive.def_abstract_eval(abstract_eval)
+    mlir.register_lowering(
+        primitive, mlir.lower_fun(evaluate, multiple_results=False)
+    )
+    batching.primitive_batchers[primitive] = batch
+    rules[primitive] = remat_rule
+    return primitive
+
+
+_DOT = _dot_primitive()
+
+
+def bind_as_dot(jaxpr: Any, args: Sequence[Any]) -> Any:
+    """The one result of the closed ``jaxpr`` (which holds one
+    ``dot_general``) on ``args``, as one equation that a ``jax.checkpoint``
+    policy saves or recomputes as a whole, as it decides for that
+    ``dot_general``."""
+    if _DOT is None:  # pragma: no cover
+        return jex_core.jaxpr_as_fun(jaxpr)(*args)[0]
+    return _DOT.bind(*args, jaxpr=jaxpr)

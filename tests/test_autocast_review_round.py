@@ -132,16 +132,6 @@ def _remat_mlp(params, x):
     return jnp.mean(h**2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a known limitation, documented on the float8 page: under "
-    "jax.checkpoint with the dots-saveable policies, what the policy saves "
-    "of a float8 matmul is its float32 accumulator (the dot_general before "
-    "the inverse scales and the cast), 4 bytes an element where bfloat16 "
-    "autocast saves 2. A checkpoint of its own around the dot does not "
-    "shield it (the outer policy reaches into it), and a 16-bit "
-    "accumulator would overflow float16 before the scales",
-)
 def test_float8_under_a_dots_saveable_remat_saves_no_more_than_bf16():
     params = [
         (normal(2 * i, (32, 64), 1 / 6), normal(2 * i + 1, (64, 32), 1 / 8))

@@ -779,6 +779,17 @@ def _scaled_dot(
     return out * _compat.sharded_for(inv_b, out)
 
 
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+def _product(
+    qa: jax.Array, sa: jax.Array, qb: jax.Array, sb: jax.Array,
+    dims: Dims, out_sharding: Any, dtype: np.dtype,
+) -> jax.Array:  # fmt: skip
+    """The forward product in ``dtype``: :func:`_scaled_dot`, then the
+    cast. Traced (``_product.trace``), never called: a jit traces once per
+    signature."""
+    return _scaled_dot(qa, sa, qb, sb, dims, out_sharding).astype(dtype)
+
+
 # --- the matmul and its derivative -----------------------------------------
 
 
@@ -806,8 +817,14 @@ def _forward(
     q_lhs, s_lhs = _cast(lhs, row.input, lc, config)
     q_rhs, s_rhs = _cast(rhs, row.weight, rc, config)
     s_lhs, s_rhs = cast(jax.Array, s_lhs), cast(jax.Array, s_rhs)
-    out = _scaled_dot(q_lhs, s_lhs, q_rhs, s_rhs, dims, out_sharding)
-    out = out.astype(config.compute_dtype)
+    # One equation, for jax.checkpoint's policies (_compat.bind_as_dot):
+    # a dots-saveable policy saves its compute-dtype result, not the
+    # float32 accumulator inside.
+    args = (q_lhs, s_lhs, q_rhs, s_rhs)
+    jaxpr = _product.trace(
+        *args, dims, out_sharding, np.dtype(config.compute_dtype)
+    ).jaxpr
+    out = _compat.bind_as_dot(jaxpr, args)
     keep_lhs = _reused(row.input, row.input_for_grad_weight)
     keep_rhs = _reused(row.weight, row.weight_for_grad_input)
     return out, (
