@@ -48,6 +48,11 @@ What is used, and what happens if it moves:
   0.9 (:data:`FLOAT8_CONVERT_ROUNDS_TWICE`): there it rounds float32 to
   float16 first, then to float8 (247.94 becomes 256, not 240), so float8
   quantisation rounds to float8's mantissa itself first on those versions.
+- a primitive of lossscale's own (:func:`bind_as_dot`), a float8 matmul
+  as one equation for ``jax.checkpoint``'s policies, registered in
+  ``partial_eval``'s, ``batching``'s and ``mlir``'s tables. If one is
+  missing, the matmul is inlined: the same numbers, and a dots-saveable
+  policy saves its float32 accumulator again.
 - the ``PmapSharding`` class (:func:`pmap_laid_out`), which only jax 0.7's
   ``pmap`` outputs carry. If it is missing, such outputs are checked
   eagerly by one program, which first moves them: correct, but a copy.
