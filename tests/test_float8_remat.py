@@ -145,8 +145,6 @@ def test_a_dots_policy_saves_the_compute_dtype_result(block_args):
     # outside the block.
     f32 = np.dtype(np.float32)
     assert [s for d, s in f8 if d == f32] == [(2, 16, 64)]
-    why = [w for _, w in saved_residuals(f8_fun, *block_args)]
-    assert sum("lossscale_float8_dot" in w for w in why) == 5
 
 
 def test_negative_control_inline_float8_saves_the_float32_accumulator(
