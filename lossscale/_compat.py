@@ -44,15 +44,6 @@ What is used, and what happens if it moves:
   choose what a float32 island saves and which matmuls go float8; under
   ``jax.export``'s shape polymorphism an undecidable comparison takes the
   choice that holds for every size.
-- XLA:CPU's conversion to float8 inside a fused ``dot`` on jax 0.8 and
-  0.9 (:data:`FLOAT8_CONVERT_ROUNDS_TWICE`): there it rounds float32 to
-  float16 first, then to float8 (247.94 becomes 256, not 240), so float8
-  quantisation rounds to float8's mantissa itself first on those versions.
-- a primitive of lossscale's own (:func:`bind_as_dot`), a float8 matmul
-  as one equation for ``jax.checkpoint``'s policies, registered in
-  ``partial_eval``'s, ``batching``'s and ``mlir``'s tables. If one is
-  missing, the matmul is inlined: the same numbers, and a dots-saveable
-  policy saves its float32 accumulator again.
 - the ``PmapSharding`` class (:func:`pmap_laid_out`), which only jax 0.7's
   ``pmap`` outputs carry. If it is missing, such outputs are checked
   eagerly by one program, which first moves them: correct, but a copy.
@@ -88,22 +79,8 @@ def _inconclusive() -> type[Exception]:
 
 InconclusiveDimensionOperation = _inconclusive()
 
-# jax 0.8.3's and 0.9.2's XLA:CPU convert float32 to a float8 type through
-# float16 where the conversion is fused into a dot's operand (a
-# ``convert_dot_fusion``): two roundings. ``jnp.full(8, 247.94)`` quantised
-# to e4m3 and multiplied by itself gave 8 * 256**2 instead of 8 * 240**2
-# (float16 rounds 247.94 to 248.0, a tie that e4m3 rounds to even, 256).
-# The same conversion alone, or fused elsewhere, rounds once; jax 0.10.2,
-# 0.11.2 and 0.12.0.1 round once. jax 0.7.0 rounds twice in that case
-# too, but the workaround breaks its other float8 results (its numpy
-# reference tests fail by up to 4.5 past rounding with it), so it gets
-# none (tests/test_fp8_kernel.py). Rounding to float8's mantissa first
-# (``reduce_precision`` with 5 exponent bits, which holds every e4m3 and
-# e5m2 normal value) leaves the float16 step exact.
-FLOAT8_CONVERT_ROUNDS_TWICE = (0, 8) <= jax.__version_info__ < (0, 10)
 
 __all__ = [
-    "FLOAT8_CONVERT_ROUNDS_TWICE",
     "InconclusiveDimensionOperation",
     "bind_as_call",
     "bind_equation",

@@ -723,14 +723,7 @@ def _quantize(
     # dozen-odd operations a quantisation, bound once each otherwise).
     x = _as_float32(x)
     scale = _scale(x, dtype, axes, pow2)
-    scaled = lax.mul(x, scale)
-    if _compat.FLOAT8_CONVERT_ROUNDS_TWICE:
-        # Exact below for normal values; a subnormal one (under 2**-6 for
-        # e4m3) may still round twice, at a tie.
-        scaled = lax.reduce_precision(
-            scaled, exponent_bits=5, mantissa_bits=jnp.finfo(dtype).nmant
-        )
-    return lax.convert_element_type(scaled, dtype), scale
+    return lax.convert_element_type(lax.mul(x, scale), dtype), scale
 
 
 def _inverse_in_output(
