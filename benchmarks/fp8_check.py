@@ -74,6 +74,7 @@ def _main() -> None:
     import jax
     import jax.numpy as jnp
 
+    import lossscale
     from lossscale._autocast import _fp8
 
     x = jnp.ones((32, 64), jnp.float32)
@@ -81,7 +82,7 @@ def _main() -> None:
     dims = (((1,), (0,)), ((), ()))
 
     def loss(x: Any, w: Any) -> Any:
-        y = _fp8.dot_general(x, w, dims, _fp8.Float8())
+        y = _fp8.dot_general(x, w, dims, lossscale.Float8())
         return jnp.sum(y.astype(jnp.float32))
 
     grad = jax.grad(loss, (0, 1))

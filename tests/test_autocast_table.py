@@ -23,9 +23,9 @@ PACKAGE = pathlib.Path(lossscale.__file__).parent / "_autocast"
 # Each module of the package imports only modules before it here (the
 # order the package's docstring gives).
 LAYERS = [
-    ["_classes", "_rules", "_fp8"],
-    ["_cast", "_config"],
-    ["_islands", "_weights"],
+    ["_classes", "_rules", "_recipes"],
+    ["_cast", "_config", "_float8"],
+    ["_fp8", "_islands", "_weights"],
     ["_plan"],
     ["_matmul"],
     ["_infer"],

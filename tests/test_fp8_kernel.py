@@ -30,8 +30,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import lossscale
 from lossscale import _compat
-from lossscale._autocast import _fp8
+from lossscale._autocast import _fp8, _recipes
 from tests.helpers import equations, explicit_mesh, set_mesh
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -66,13 +67,13 @@ SPECS = {
     "two_contracting": ("bhd,hdf->bf", (3, 2, 4), (2, 4, 5)),
 }
 CONFIGS = {
-    "tensorwise": _fp8.Float8("tensorwise"),
-    "tensorwise_pow2": _fp8.Float8("tensorwise", power_of_two_scales=True),
-    "rowwise": _fp8.Float8("rowwise"),
-    "rowwise_no_pow2": _fp8.Float8("rowwise", power_of_two_scales=False),
-    "rowwise_with_gw_hp": _fp8.Float8("rowwise_with_gw_hp"),
+    "tensorwise": lossscale.Float8("tensorwise"),
+    "tensorwise_pow2": lossscale.Float8("tensorwise", power_of_two_scales=True),
+    "rowwise": lossscale.Float8("rowwise"),
+    "rowwise_no_pow2": lossscale.Float8("rowwise", power_of_two_scales=False),
+    "rowwise_with_gw_hp": lossscale.Float8("rowwise_with_gw_hp"),
 }
-RECIPES = tuple(_fp8.RECIPES)
+RECIPES = tuple(_recipes.RECIPES)
 
 
 # --- the reference ------------------------------------------------------
@@ -705,30 +706,31 @@ def test_explicit_mesh_fails_without_the_out_sharding(monkeypatch):
 
 
 def test_config_defaults_validation_and_hashing():
-    assert _fp8.Float8() == _fp8.Float8("tensorwise", jnp.bfloat16)
-    assert _fp8.Float8().power_of_two_scales is False
-    assert _fp8.Float8("rowwise").power_of_two_scales is True
-    assert _fp8.Float8("rowwise_with_gw_hp").power_of_two_scales is True
-    assert _fp8.Float8(compute_dtype="float16").compute_dtype == np.float16
-    assert hash(_fp8.Float8("rowwise")) == hash(_fp8.Float8("rowwise"))
+    assert lossscale.Float8() == lossscale.Float8("tensorwise", jnp.bfloat16)
+    assert lossscale.Float8().power_of_two_scales is False
+    assert lossscale.Float8("rowwise").power_of_two_scales is True
+    assert lossscale.Float8("rowwise_with_gw_hp").power_of_two_scales is True
+    assert lossscale.Float8(compute_dtype="float16").compute_dtype == np.float16
+    rowwise = lossscale.Float8("rowwise")
+    assert hash(rowwise) == hash(lossscale.Float8("rowwise"))
     with pytest.raises(dataclasses.FrozenInstanceError):
-        _fp8.Float8().recipe = "rowwise"  # type: ignore[misc]
+        lossscale.Float8().recipe = "rowwise"  # type: ignore[misc]
     with pytest.raises(ValueError, match=r"recipe=.delayed."):
-        _fp8.Float8("delayed")
+        lossscale.Float8("delayed")
     with pytest.raises(TypeError, match=r"compute_dtype=.*float32"):
-        _fp8.Float8(compute_dtype=jnp.float32)
+        lossscale.Float8(compute_dtype=jnp.float32)
     with pytest.raises(TypeError, match="compute_dtype='half_precision'"):
-        _fp8.Float8(compute_dtype="half_precision")
+        lossscale.Float8(compute_dtype="half_precision")
     with pytest.raises(TypeError, match="power_of_two_scales=1"):
-        _fp8.Float8(power_of_two_scales=1)  # type: ignore[arg-type]
+        lossscale.Float8(power_of_two_scales=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
-        _fp8.Float8("rowwise", jnp.bfloat16, True)  # type: ignore[misc]
+        lossscale.Float8("rowwise", jnp.bfloat16, True)  # type: ignore[misc]
     dims = dimension_numbers("ik,kj->ij")
     with pytest.raises(TypeError, match="config must be"):
         _fp8.dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), dims, "tensorwise")
     with pytest.raises(TypeError, match="lhs must be a real floating"):
         _fp8.dot_general(
-            jnp.ones((2, 2), int), jnp.ones((2, 2)), dims, _fp8.Float8()
+            jnp.ones((2, 2), int), jnp.ones((2, 2)), dims, lossscale.Float8()
         )
 
 

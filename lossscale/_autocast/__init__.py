@@ -23,11 +23,14 @@ listed before it; ``tests/test_autocast_table.py`` checks it):
 
 1. :mod:`._classes`: the precision classes; :mod:`._rules`: **the rule
    table, one record per primitive: adding a rule for a new primitive is
-   one line there**; :mod:`._fp8`: the float8 matmul.
+   one line there**; :mod:`._recipes`: **the float8 recipes, one row
+   each: a new recipe is one row there**.
 2. :mod:`._cast`: casting values to their classes; :mod:`._config`: the
-   configuration and the caches.
-3. :mod:`._islands`: float32 islands; :mod:`._weights`: which operand of
-   a matmul is its weight, from the dataflow (float8 recipes).
+   configuration and the caches; :mod:`._float8`: the :class:`Float8`
+   configuration (eligibility, filters).
+3. :mod:`._fp8`: the float8 matmul kernel; :mod:`._islands`: float32
+   islands; :mod:`._weights`: which operand of a matmul is its weight,
+   from the dataflow (float8 recipes).
 4. :mod:`._plan`: what a plan is made of (modes, nodes, an equation's
    facts); :mod:`._matmul`: what autocast does with a matmul, in one
    place (its rules, float8 eligibility and reasons, layers kept out,
@@ -54,10 +57,10 @@ from lossscale._autocast._api import (
     compute_scope,
     float32_scope,
 )
-from lossscale._autocast._fp8 import Cast as Float8Cast
-from lossscale._autocast._fp8 import Float8
-from lossscale._autocast._fp8 import Recipe as Float8Recipe
+from lossscale._autocast._float8 import Float8
 from lossscale._autocast._matmul import MatmulInfo
+from lossscale._autocast._recipes import Cast as Float8Cast
+from lossscale._autocast._recipes import Recipe as Float8Recipe
 from lossscale._autocast._report import Matmul, matmuls
 from lossscale._autocast._rules import FUNCTION_RULES, PRIMITIVE_RULES
 

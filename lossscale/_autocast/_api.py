@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale import _policy
-from lossscale._autocast import _eager, _fp8, _higher, _plan
+from lossscale._autocast import _eager, _float8, _higher, _plan
 from lossscale._autocast import _rules as R
 from lossscale._autocast._classes import F32_DTYPE
 from lossscale._autocast._config import Config, frozen_items
@@ -215,7 +215,7 @@ def autocast(
         output_dtype = compute_dtype.output_dtype
         compute_dtype = compute_dtype.compute_dtype
     float8 = None
-    if isinstance(compute_dtype, _fp8.Float8):
+    if isinstance(compute_dtype, _float8.Float8):
         float8, compute_dtype = compute_dtype, compute_dtype.compute_dtype
     rules_items, function_items = _tables(rules, function_rules, float8)
     config = Config(
