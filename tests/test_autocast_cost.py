@@ -21,7 +21,7 @@ from helpers import count_compiles, equations
 
 import lossscale
 from lossscale import _compat
-from lossscale._autocast import _infer
+from lossscale._autocast import _fold
 
 F16 = jnp.float16
 
@@ -53,7 +53,7 @@ def test_large_constants_are_not_computed_at_trace_time(monkeypatch):
     folded = _spy_folds(monkeypatch)
     jax.make_jaxpr(lossscale.autocast(f, jnp.float16))(w, x)
     assert folded, "the premise: small constants are still folded"
-    assert max(size for _, size in folded) <= _infer.FOLD_SIZE
+    assert max(size for _, size in folded) <= _fold.FOLD_SIZE
 
 
 def test_each_equation_is_folded_once_per_plan(monkeypatch):

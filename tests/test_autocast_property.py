@@ -240,17 +240,17 @@ def test_negative_control_the_check_fails_on_the_rules_before_issue_28(
     """The same check fails on autocast's earlier rule (an activation
     meeting a float32 value computed in float32 and rounded back to
     float16), put in place of the promotion rule of the pass's table."""
-    from lossscale._autocast import _infer
+    from lossscale._autocast import _equation
     from lossscale._autocast._rules import Kind
 
-    promote = _infer.KINDS[Kind.PROMOTE]
+    promote = _equation.KINDS[Kind.PROMOTE]
 
     def round_mixed(a):
-        if _infer.Cls.LOW in a.floats:
-            return a.result(_infer.Mode.FLOAT32, _infer.Cls.LOW)
+        if _equation.Cls.LOW in a.floats:
+            return a.result(_equation.Mode.FLOAT32, _equation.Cls.LOW)
         return promote(a)
 
     check_program(blocks, autocast_float16, loss_name)  # today's rules
-    monkeypatch.setitem(_infer.KINDS, Kind.PROMOTE, round_mixed)
+    monkeypatch.setitem(_equation.KINDS, Kind.PROMOTE, round_mixed)
     with pytest.raises(AssertionError):
         check_program(blocks, autocast_float16, loss_name)

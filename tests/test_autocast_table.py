@@ -15,7 +15,7 @@ from jax.extend.core import primitives
 
 import lossscale
 from lossscale import _compat
-from lossscale._autocast import _emit, _higher, _infer
+from lossscale._autocast import _emit, _equation, _higher
 from lossscale._autocast import _rules as R
 
 PACKAGE = pathlib.Path(lossscale.__file__).parent / "_autocast"
@@ -24,10 +24,11 @@ PACKAGE = pathlib.Path(lossscale.__file__).parent / "_autocast"
 # order the package's docstring gives).
 LAYERS = [
     ["_classes", "_rules", "_recipes"],
-    ["_cast", "_config", "_float8"],
+    ["_cast", "_config", "_float8", "_fold"],
     ["_fp8", "_islands", "_weights"],
     ["_plan"],
     ["_matmul"],
+    ["_equation"],
     ["_infer"],
     ["_emit"],
     ["_higher"],
@@ -83,12 +84,12 @@ def test_records_are_keyed_on_the_primitives_jax_binds():
 
 
 def test_each_pass_owns_its_table_and_the_handlers_fill_both():
-    assert set(_infer.KINDS) == set(R.Kind)
-    assert set(_infer.HIGHER) == set(_emit.HIGHER)
-    names = {p.name for p in _infer.HIGHER}
+    assert set(_equation.KINDS) == set(R.Kind)
+    assert set(_equation.HIGHER) == set(_emit.HIGHER)
+    names = {p.name for p in _equation.HIGHER}
     assert {"scan", "while", "cond", "custom_jvp_call", "shard_map"} <= names
     assert names <= _higher.HANDLED
-    islands = {p.name for p, h in _infer.HIGHER.items() if h.island}
+    islands = {p.name for p, h in _equation.HIGHER.items() if h.island}
     assert islands == {"jit", "pjit", "custom_jvp_call"} & names
 
 

@@ -27,16 +27,20 @@ listed before it; ``tests/test_autocast_table.py`` checks it):
    each: a new recipe is one row there**.
 2. :mod:`._cast`: casting values to their classes; :mod:`._config`: the
    configuration and the caches; :mod:`._float8`: the :class:`Float8`
-   configuration (eligibility, filters).
+   configuration (eligibility, filters); :mod:`._fold`: constant folding
+   of small known values at trace time.
 3. :mod:`._fp8`: the float8 matmul kernel; :mod:`._islands`: float32
    islands; :mod:`._weights`: which operand of a matmul is its weight,
    from the dataflow (float8 recipes).
 4. :mod:`._plan`: what a plan is made of (modes, nodes, an equation's
-   facts); :mod:`._matmul`: what autocast does with a matmul, in one
-   place (its rules, float8 eligibility and reasons, layers kept out,
-   the float8 emission).
-5. :mod:`._infer`: the first pass, with its tables (:data:`._infer.KINDS`,
-   one rule per kind, and :data:`._infer.HIGHER`).
+   and a jaxpr's facts); :mod:`._matmul`: what autocast does with a
+   matmul, in one place (its rules, float8 eligibility and reasons,
+   layers kept out, the float8 emission).
+5. :mod:`._equation`: the first pass's rule for one equation, with the
+   pass's tables (:data:`._equation.KINDS`, one rule per kind, and
+   :data:`._equation.HIGHER`, which higher-order handlers register into).
+   :mod:`._infer`: the first pass over a jaxpr (the fixed point of its
+   equations' rules, its float32 islands).
 6. :mod:`._emit`: the second pass, with its table (:data:`._emit.HIGHER`).
 7. :mod:`._higher`: the handlers of higher-order primitives (``jit``,
    ``scan``, ``while``, ``cond``, ``checkpoint``, ``custom_jvp_call``,

@@ -1,7 +1,7 @@
 """Higher-order primitives: their jaxprs inferred and emitted with the rules.
 
 Each handler is a pair of functions registered at the end of this module
-into the two passes' own tables (:data:`._infer.HIGHER`,
+into the two passes' own tables (:data:`._equation.HIGHER`,
 :data:`._emit.HIGHER`), by ``Primitive``: ``infer`` plans the equation
 from its operands' classes (recursing into its jaxprs with
 :func:`._infer.infer`), ``emit`` binds it from that plan. **A handler for
@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from lossscale import _compat
-from lossscale._autocast import _emit, _infer, _matmul
+from lossscale._autocast import _emit, _equation, _infer, _matmul
 from lossscale._autocast._cast import as_class, dtype_of, store, strong
 from lossscale._autocast._classes import (
     Cls,
@@ -38,6 +38,7 @@ from lossscale._autocast._classes import (
     of_value,
 )
 from lossscale._autocast._config import Call, Config, JaxprCache
+from lossscale._autocast._fold import FOLD_SIZE
 from lossscale._autocast._plan import Mode, Node, Plan
 
 _FITS_SIZE = 1 << 16
@@ -86,7 +87,7 @@ def const_infos(config: Config, consts: Sequence[Any]) -> list[Info]:
         ):
             value = np.asarray(c)
             cls = of_value(value, dtype, config.compute)
-            keep = value.size <= _infer.FOLD_SIZE
+            keep = value.size <= FOLD_SIZE
             infos.append(Info(cls, value if keep else None))
         else:
             infos.append(Info(cls))
@@ -655,7 +656,7 @@ def _custom_jvp_emit(call: Call, eqn: Any, node: Node, invals: list) -> list:
 
 
 # name: (infer, emit, a call that may be part of a float32 island)
-_HANDLERS: dict[str, tuple[_infer.InferHigher, _emit.EmitHigher, bool]] = {
+_HANDLERS: dict[str, tuple[_equation.InferHigher, _emit.EmitHigher, bool]] = {
     "jit": (_call_infer, _call_emit, True),
     "pjit": (_call_infer, _call_emit, True),
     "closed_call": (_call_infer, _call_emit, False),
@@ -681,5 +682,5 @@ for _name, _primitive in _compat.primitives_named(_HANDLERS).items():
             f"lossscale: the handler of {_name} needs its known params in "
             "lossscale._compat.HIGHER_ORDER_PARAMS."
         )
-    _infer.register(_primitive, _infer_rule, island=_island)
+    _equation.register(_primitive, _infer_rule, island=_island)
     _emit.register(_primitive, _emit_rule)

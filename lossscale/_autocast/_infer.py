@@ -9,9 +9,11 @@ plan of a jaxpr is kept, per configuration and input classes, as long as
 the jaxpr lives (:class:`._config.JaxprCache`): a ``jax.jit``-ed block
 called many times, in one call or many, is planned once.
 
-This pass owns its tables: first-order equations go by their record's
-kind (:data:`KINDS`, one function a kind of :mod:`._rules`), higher-order
-ones by :data:`HIGHER`, which :mod:`._higher` registers into.
+Here is the fixed point over a jaxpr's equations and what a plan is
+finished with (its float32 islands, what it used); each equation's rule,
+and the pass's tables (:data:`._equation.KINDS`, one function a kind of
+:mod:`._rules`, and :data:`._equation.HIGHER`, which the handlers of
+higher-order primitives register into), are :mod:`._equation`'s.
 
 Forwards, each equation's rule picks its dtype from its operands'
 classes: the result is float32 where a float operand is float32
@@ -38,131 +40,31 @@ flow from readers to writers, each only ever turning from false to true
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
-
-import jax
-import numpy as np
 
 from lossscale import _compat
 from lossscale._autocast import _islands, _matmul, _weights
-from lossscale._autocast import _rules as R
-from lossscale._autocast._classes import (
-    Cls,
-    Info,
-    is_float,
-    of_conversion,
-    of_value,
-)
+from lossscale._autocast._classes import Cls, Info, is_float
 from lossscale._autocast._config import Config, JaxprCache
+from lossscale._autocast._equation import HIGHER, Planning, forward
 from lossscale._autocast._plan import (
     CONVERT,
-    NARROW_MOVE,
     ROUNDING,
-    EqnFacts,
-    KindArgs,
+    JaxprFacts,
     Mode,
     Node,
     Plan,
-    eqn_facts,
-    make_node,
-    traced,
+    facts,
 )
 
-# Constants larger than this are not computed at trace time.
-FOLD_SIZE = 4096
 _NAMED = _compat.primitives_named(["mul", "div"])
 # A product with a literal, or a quotient by one, keeps nothing for the
 # backward pass (its derivative is the same scaling of the tangent).
 _SCALINGS = {_NAMED["mul"]: (0, 1), _NAMED["div"]: (1,)}
 
 
-# --- the table of higher-order primitives ----------------------------------
-
-InferHigher = Callable[[Config, Any, list[Info], list[bool], list[bool]], Node]
-
-
-class Higher(NamedTuple):
-    """A higher-order primitive's inference rule. ``island``: a call
-    (``jit``, ``custom_jvp_call``) that may be part of a float32 island
-    when its jaxprs are elementwise only."""
-
-    infer: InferHigher
-    island: bool = False
-
-
-HIGHER: dict[Any, Higher] = {}
-
-
-def register(primitive: Any, infer: InferHigher, *, island: bool) -> None:
-    """Registers a higher-order primitive's inference rule."""
-    HIGHER[primitive] = Higher(infer, island)
-
-
-# --- what a jaxpr's equations are, whatever the classes --------------------
-
-
-class JaxprFacts:
-    """A jaxpr's readers and outputs, and its equations' facts."""
-
-    def __init__(self, jaxpr: Any) -> None:
-        self.eqns: list[Any] = list(jaxpr.eqns)
-        self.readers: dict[Any, list[tuple[Any, int]]] = {}
-        for eqn in self.eqns:
-            for i, atom in enumerate(eqn.invars):
-                if _compat.is_var(atom):
-                    self.readers.setdefault(atom, []).append((eqn, i))
-        self.outputs: dict[Any, list[int]] = {}
-        for j, atom in enumerate(jaxpr.outvars):
-            if _compat.is_var(atom):
-                self.outputs.setdefault(atom, []).append(j)
-        self.of: dict[Any, EqnFacts] = {e: eqn_facts(e) for e in self.eqns}
-        self.functions = frozenset(
-            f.function for f in self.of.values() if f.function is not None
-        )
-        self._literals: dict[Any, Info] = {}
-        self._jaxpr_outvars = list(jaxpr.outvars)
-        # The constants computed at trace time, by equation: each is
-        # computed once while the jaxpr lives (the operands are kept with
-        # the key of their ids, so that the ids are not reused).
-        self.folded: dict[Any, tuple[tuple[int, ...], Any, Any]] = {}
-
-    def cone(self, outputs: Sequence[bool]) -> frozenset[Any]:
-        """The equations the flagged outputs depend on, at any remove."""
-        writer = {v: e for e in self.eqns for v in e.outvars}
-        todo = [
-            a
-            for a, flag in zip(self._jaxpr_outvars, outputs, strict=True)
-            if flag and _compat.is_var(a)
-        ]
-        found: set[Any] = set()
-        while todo:
-            eqn = writer.get(todo.pop())
-            if eqn is not None and eqn not in found:
-                found.add(eqn)
-                todo.extend(a for a in eqn.invars if _compat.is_var(a))
-        return frozenset(found)
-
-    def literal(self, atom: Any, compute: np.dtype) -> Info:
-        # By id: literals are unhashable, and this object's equations
-        # keep them alive.
-        key = (id(atom), compute)
-        hit = self._literals.get(key)
-        if hit is None:
-            value = _compat.literal_value(atom)
-            hit = Info(of_value(value, atom.aval.dtype, compute), value)
-            self._literals[key] = hit
-        return hit
-
-
-_FACTS = JaxprCache()
 _PLANS = JaxprCache()
-
-
-def facts(jaxpr: Any) -> JaxprFacts:
-    """The facts of ``jaxpr`` (computed once while it lives)."""
-    return _FACTS.get(jaxpr, None, lambda: JaxprFacts(jaxpr))
 
 
 def infer(
@@ -217,25 +119,6 @@ def infer(
     )
 
 
-class _Planning:
-    """What one plan's making collects: the overrides it applied."""
-
-    def __init__(
-        self,
-        config: Config,
-        facts: JaxprFacts,
-        analysis: _weights.Analysis,
-    ) -> None:
-        self.config = config
-        self.facts = facts
-        # Under a float8 recipe: each matmul's role, and the sources each
-        # higher-order equation reaches its jaxprs with.
-        self.roles = analysis.roles
-        self.sites = analysis.sites
-        self.used: set[tuple[str, Any]] = set()
-        self.as_traced: frozenset[Any] = frozenset()
-
-
 class _Facts(NamedTuple):
     """The backward facts of each variable (each only turns true)."""
 
@@ -244,7 +127,7 @@ class _Facts(NamedTuple):
     unrounded: dict[Any, bool]
 
     def of(self, eqn: Any) -> tuple[list[bool], list[bool], list[bool]]:
-        """The facts of an equation's results, in the order ``_forward``
+        """The facts of an equation's results, in the order ``forward``
         takes them."""
         return (
             [self.only32.get(v, False) for v in eqn.outvars],
@@ -276,7 +159,7 @@ def _plan(
     analysis = (
         _weights.EMPTY if sources is None else _weights.analyse(jaxpr, sources)
     )
-    planning = _Planning(config, jf, analysis)
+    planning = Planning(config, jf, analysis)
     if any(as_traced):
         planning.as_traced = jf.cone(as_traced)
     rounds = _Rounds(planning, jaxpr, consts, ins, out_only32, out_demanded)
@@ -313,7 +196,7 @@ class _Rounds:
 
     def __init__(
         self,
-        planning: _Planning,
+        planning: Planning,
         jaxpr: Any,
         consts: Sequence[Info],
         ins: tuple[Cls, ...],
@@ -359,9 +242,7 @@ class _Rounds:
             ):
                 continue
             infos = [self.read(a) for a in eqn.invars]
-            node, outs = _forward(
-                self.planning, eqn, infos, *self.known.of(eqn)
-            )
+            node, outs = forward(self.planning, eqn, infos, *self.known.of(eqn))
             if self.nodes.get(eqn) != node:
                 self.changed_nodes.add(eqn)
                 self.nodes[eqn] = node
@@ -495,7 +376,7 @@ def _unrounded(
 
 
 def _finish(
-    planning: _Planning,
+    planning: Planning,
     nodes: dict[Any, Node],
     consts: tuple[Cls, ...],
     ins: tuple[Cls, ...],
@@ -586,281 +467,3 @@ def _exact(jf: JaxprFacts, nodes: Mapping[Any, Node]) -> bool:
         ):
             return False
     return True
-
-
-# --- one equation -----------------------------------------------------------
-
-
-def function_rule(config: Config, name: str | None) -> R.FunctionRule | None:
-    """The rule of the function a call equation calls, if it has one."""
-    return None if name is None else config.function_rule(name)
-
-
-def _broadcast_in_dim(x: Any, shape: Any, broadcast_dimensions: Any, **_: Any):
-    expanded = np.reshape(
-        x,
-        [
-            np.shape(x)[broadcast_dimensions.index(d)]
-            if d in broadcast_dimensions
-            else 1
-            for d in range(len(shape))
-        ],
-    )
-    return np.broadcast_to(expanded, shape)
-
-
-def _numpy_folds() -> dict[Any, Callable[..., Any]]:
-    """NumPy for the equations most often folded (a ``jnp.full``, a
-    scalar constant's arithmetic), by primitive: folding by binding runs
-    an XLA computation, which compiles once per shape (tens of ms), to
-    compute a value that only decides a class."""
-    unary = {
-        "neg": np.negative,
-        "abs": np.abs,
-        "sqrt": np.sqrt,
-        "exp": np.exp,
-        "log": np.log,
-        "tanh": np.tanh,
-        "sign": np.sign,
-    }
-    binary = {
-        "add": np.add,
-        "sub": np.subtract,
-        "mul": np.multiply,
-        "div": np.divide,
-        "max": np.maximum,
-        "min": np.minimum,
-    }
-    table: dict[str, Callable[..., Any]] = {
-        "broadcast_in_dim": lambda x, **p: _broadcast_in_dim(x, **p),
-        "reshape": lambda x, new_sizes, **_: np.reshape(x, new_sizes),
-        "squeeze": lambda x, dimensions, **_: np.squeeze(x, tuple(dimensions)),
-        "transpose": lambda x, permutation, **_: np.transpose(x, permutation),
-        "integer_pow": lambda x, y, **_: np.power(x, y),
-        "square": lambda x, **_: np.square(x),
-        "rsqrt": lambda x, **_: 1 / np.sqrt(x),
-    }
-    for name, f in unary.items():
-        table[name] = lambda x, f=f, **_: f(x)
-    for name, f in binary.items():
-        table[name] = lambda x, y, f=f, **_: f(x, y)
-    return {
-        primitive: table[name]
-        for name, primitive in _compat.primitives_named(table).items()
-    }
-
-
-FOLDS = _numpy_folds()
-
-
-def _foldable_size(shape: Any) -> bool:
-    """Whether a value of ``shape`` is small enough to fold: at most
-    ``FOLD_SIZE`` elements, and of static size (a symbolic dimension of
-    ``jax.export`` is not folded)."""
-    if not all(isinstance(d, (int, np.integer)) for d in shape):
-        return False
-    return math.prod(shape) <= FOLD_SIZE
-
-
-def _fold(
-    planning: _Planning,
-    eqn: Any,
-    infos: Sequence[Info],
-    compute: Callable[[list[Any]], list[Any]] | None = None,
-) -> Any:
-    """The equation's results computed now (by binding it, or by
-    ``compute`` of its operands' values), if its operands are known and
-    its results small (checked before anything is computed); once while
-    its jaxpr lives, so that each round of the fixed point, and each plan
-    of the jaxpr, sees the same values."""
-    if any(i.value is None for i in infos):
-        return None
-    key = tuple(id(i.value) for i in infos)
-    folded = planning.facts.folded
-    hit = folded.get(eqn)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    values = None
-    operands = [i.value for i in infos]
-    numpy = FOLDS.get(eqn.primitive)
-    if all(_foldable_size(v.aval.shape) for v in eqn.outvars):
-        try:
-            if compute is not None:
-                values = compute(operands)
-            elif numpy is not None:
-                with np.errstate(all="ignore"):
-                    out = numpy(*map(np.asarray, operands), **eqn.params)
-                dtype = eqn.outvars[0].aval.dtype
-                values = [np.asarray(out).astype(dtype)]
-            else:
-                with jax.ensure_compile_time_eval():
-                    outs = _compat.bind_equation(eqn, operands)
-                values = [np.asarray(o) for o in outs]
-        except Exception:  # folding is only an optimisation
-            values = None
-    folded[eqn] = (key, values, operands)
-    return values
-
-
-def _bounded(a: KindArgs) -> tuple[Node, list[Info]]:
-    # Computed in float32 from a float32 operand, and kept in float32
-    # where a float32 operation reads it.
-    if any(a.demanded):
-        return a.result(Mode.FLOAT32, Cls.F32)
-    if Cls.F32 in a.floats:
-        return a.result(Mode.FLOAT32, Cls.LOW)
-    return a.result(Mode.COMPUTE, Cls.LOW)
-
-
-def _float32(a: KindArgs) -> tuple[Node, list[Info]]:
-    remat = a.record.remat and Cls.LOW in a.floats
-    return a.result(Mode.FLOAT32, Cls.F32, remat)
-
-
-def _promote(a: KindArgs) -> tuple[Node, list[Info]]:
-    # PyTorch's promotion, and float32 where only float32 reads. Moving or
-    # selecting 16-bit values is exact: no reason to widen it (the
-    # backward facts see through it instead: see ``uses``); nor a
-    # collective, which moves 16 bits between devices where 32 would cost
-    # twice the bytes (a tensor-parallel all-reduce).
-    exact = (a.record.moves or a.record.collective) and a.floats <= {
-        Cls.LOW,
-        Cls.CONST16,
-    }
-    # A result every use rounds anyway is rounded here, once.
-    float_unrounded = [
-        u for u, f in zip(a.unrounded, a.float_outs, strict=True) if f
-    ]
-    rounded = bool(float_unrounded) and not any(float_unrounded)
-    if (
-        rounded
-        and a.record.gathers
-        and a.floats == {Cls.F32}
-        and len(a.eqn.invars) == 1
-        and a.compute.itemsize < 4
-    ):
-        # Rounded before it moves, since rounding commutes with moving:
-        # an FSDP weight is gathered in 16 bits, not gathered in float32
-        # and then rounded (half the bytes), and its gradient is moved
-        # back (reduce-scattered) in float32 all the same, as today.
-        node, infos = a.result(Mode.COMPUTE, Cls.LOW)
-        return node._replace(data=NARROW_MOVE), infos
-    if Cls.F32 in a.floats or (a.float_outs and all(a.only32) and not exact):
-        if Cls.LOW in a.floats and rounded:
-            return a.result(Mode.FLOAT32, Cls.LOW)
-        return a.result(Mode.FLOAT32, Cls.F32)
-    return a.result(Mode.COMPUTE, Cls.LOW)
-
-
-KINDS: dict[R.Kind, Callable[[KindArgs], tuple[Node, list[Info]]]] = {
-    R.Kind.MATMUL: _matmul.matmul_rule,
-    R.Kind.FLOAT8: _matmul.float8_rule,
-    R.Kind.BOUNDED: _bounded,
-    R.Kind.FLOAT32: _float32,
-    R.Kind.PROMOTE: _promote,
-}
-"""This pass's rule for each kind of :mod:`._rules`."""
-
-
-def _forward(
-    planning: _Planning,
-    eqn: Any,
-    infos: list[Info],
-    only32: list[bool],
-    demanded: list[bool],
-    unrounded: list[bool],
-) -> tuple[Node, list[Info]]:
-    config = planning.config
-    compute = config.compute
-    ef = planning.facts.of[eqn]
-    if ef.scoped or eqn in planning.as_traced:
-        if config.float8 is not None and ef.matmul:
-            # Kept in float32 all the same: an exclude naming it matched.
-            role = planning.roles.get(eqn)
-            entry = _matmul.excluded_by(eqn, config.float8, role)
-            if entry is not None:
-                planning.used.add(("exclude", entry))
-        return traced(eqn, infos, compute, ef)
-    higher = HIGHER.get(eqn.primitive)
-    if higher is not None or ef.function is not None:
-        rule = function_rule(config, ef.function)
-        if ef.function is not None and (
-            ("function", ef.function) in config.overrides
-        ):
-            planning.used.add(("function", ef.function))
-        if rule in ("float32", "original") or higher is None:
-            return traced(eqn, infos, compute, ef)  # custom_vjp: run whole
-        if rule == "compute" or (
-            _matmul.kept_out(eqn, config.float8, planning.used) is not None
-        ):
-            config = config.sixteen_bit
-        with _weights.at(planning.sites.get(eqn, {})), _matmul.inside(eqn):
-            node = higher.infer(config, eqn, infos, only32, demanded)
-        return node, [Info(c) for c in node.outs]
-    floats = {i.cls for i, f in zip(infos, ef.float_in, strict=True) if f}
-    if Cls.KEEP in floats:
-        return traced(eqn, infos, compute, ef)
-    if eqn.primitive is CONVERT:
-        return _convert(planning, eqn, infos, compute)
-    record, override = config.record(eqn.primitive)
-    if override is not None:
-        planning.used.add(("primitive", override))
-    if record is None:
-        return traced(eqn, infos, compute, ef)
-    if floats <= {Cls.CONST16}:
-        foldable = record.foldable and any(ef.float_out)
-        values = _fold(planning, eqn, infos) if foldable else None
-        if values is not None:
-            outs = [
-                of_value(v, a.aval.dtype, compute)
-                for v, a in zip(values, eqn.outvars, strict=True)
-            ]
-            node = make_node(eqn, Mode.TRACED, infos, outs, ef=ef)
-            return node, [Info(c, v) for c, v in zip(outs, values, strict=True)]
-        if floats and ef.moves:
-            outs = [Cls.CONST16 if f else Cls.KEEP for f in ef.float_out]
-            node = make_node(eqn, Mode.TRACED, infos, outs, ef=ef)
-            return node, [Info(c) for c in outs]
-        return traced(eqn, infos, compute, ef)
-    args = KindArgs(
-        eqn,
-        record,
-        infos,
-        floats,
-        list(ef.float_out),
-        only32,
-        demanded,
-        unrounded,
-        compute,
-        config.float8,
-        ef,
-        planning.roles.get(eqn),
-        planning.used,
-    )
-    return KINDS[record.kind](args)
-
-
-def _convert(
-    planning: _Planning, eqn: Any, infos: Sequence[Info], compute: np.dtype
-) -> tuple[Node, list[Info]]:
-    """An explicit cast the traced program shows: kept."""
-    (info,) = infos
-    new = np.dtype(eqn.params["new_dtype"])
-    values = _fold(
-        planning, eqn, infos, lambda v: [np.asarray(v[0]).astype(new)]
-    )
-    value = None if values is None else values[0]
-    if not is_float(new):
-        out = Cls.KEEP
-    elif new == compute:
-        out = Cls.LOW
-    elif new == np.float32:
-        if info.cls == Cls.CONST16:
-            out = Cls.CONST16
-        else:
-            held = of_conversion(eqn.invars[0].aval.dtype, new, compute)
-            out = Cls.F32 if held is None else held
-    else:
-        out = Cls.KEEP
-    node = Node(Mode.CONVERT, (info.cls,), (out,), (False,))
-    return node, [Info(out, value)]

@@ -5,7 +5,7 @@ derivative traced inside, the float8 emission and its forward-mode
 error, and how many float8 matmuls a plan runs.
 
 The kinds' rules (:func:`matmul_rule`, :func:`float8_rule`) are the
-inference pass's (:data:`._infer.KINDS`); which operand is the weight is
+inference pass's (:data:`._equation.KINDS`); which operand is the weight is
 :mod:`._weights`'s; the float8 kernel is :mod:`._fp8`'s.
 """
 

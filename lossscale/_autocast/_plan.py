@@ -1,6 +1,7 @@
 """What a plan is made of: the modes, nodes and plans of the inference
-pass (:mod:`._infer`), the facts of an equation whatever the classes, and
-the argument of a kind's rule (:class:`KindArgs`).
+pass (:mod:`._infer`), the facts of an equation and of a jaxpr whatever
+the classes (:class:`JaxprFacts`, kept while the jaxpr lives), and the
+argument of a kind's rule (:class:`KindArgs`).
 
 Below both the inference pass and the matmul rules (:mod:`._matmul`),
 which build these.
@@ -18,7 +19,8 @@ import numpy as np
 from lossscale import _compat
 from lossscale._autocast import _rules as R
 from lossscale._autocast import _weights
-from lossscale._autocast._classes import Cls, Info, is_float, of_dtype
+from lossscale._autocast._classes import Cls, Info, is_float, of_dtype, of_value
+from lossscale._autocast._config import JaxprCache
 
 FLOAT32_SCOPE = "lossscale_float32"
 COMPUTE_SCOPE = "lossscale_compute"
@@ -135,6 +137,67 @@ def eqn_facts(eqn: Any) -> EqnFacts:
         ),
         float_out=tuple(is_float(v.aval.dtype) for v in eqn.outvars),
     )
+
+
+class JaxprFacts:
+    """A jaxpr's readers and outputs, and its equations' facts."""
+
+    def __init__(self, jaxpr: Any) -> None:
+        self.eqns: list[Any] = list(jaxpr.eqns)
+        self.readers: dict[Any, list[tuple[Any, int]]] = {}
+        for eqn in self.eqns:
+            for i, atom in enumerate(eqn.invars):
+                if _compat.is_var(atom):
+                    self.readers.setdefault(atom, []).append((eqn, i))
+        self.outputs: dict[Any, list[int]] = {}
+        for j, atom in enumerate(jaxpr.outvars):
+            if _compat.is_var(atom):
+                self.outputs.setdefault(atom, []).append(j)
+        self.of: dict[Any, EqnFacts] = {e: eqn_facts(e) for e in self.eqns}
+        self.functions = frozenset(
+            f.function for f in self.of.values() if f.function is not None
+        )
+        self._literals: dict[Any, Info] = {}
+        self._jaxpr_outvars = list(jaxpr.outvars)
+        # The constants computed at trace time, by equation: each is
+        # computed once while the jaxpr lives (the operands are kept with
+        # the key of their ids, so that the ids are not reused).
+        self.folded: dict[Any, tuple[tuple[int, ...], Any, Any]] = {}
+
+    def cone(self, outputs: Sequence[bool]) -> frozenset[Any]:
+        """The equations the flagged outputs depend on, at any remove."""
+        writer = {v: e for e in self.eqns for v in e.outvars}
+        todo = [
+            a
+            for a, flag in zip(self._jaxpr_outvars, outputs, strict=True)
+            if flag and _compat.is_var(a)
+        ]
+        found: set[Any] = set()
+        while todo:
+            eqn = writer.get(todo.pop())
+            if eqn is not None and eqn not in found:
+                found.add(eqn)
+                todo.extend(a for a in eqn.invars if _compat.is_var(a))
+        return frozenset(found)
+
+    def literal(self, atom: Any, compute: np.dtype) -> Info:
+        # By id: literals are unhashable, and this object's equations
+        # keep them alive.
+        key = (id(atom), compute)
+        hit = self._literals.get(key)
+        if hit is None:
+            value = _compat.literal_value(atom)
+            hit = Info(of_value(value, atom.aval.dtype, compute), value)
+            self._literals[key] = hit
+        return hit
+
+
+_FACTS = JaxprCache()
+
+
+def facts(jaxpr: Any) -> JaxprFacts:
+    """The facts of ``jaxpr`` (computed once while it lives)."""
+    return _FACTS.get(jaxpr, None, lambda: JaxprFacts(jaxpr))
 
 
 def make_node(
