@@ -163,12 +163,12 @@ def _scale(
     # and a float8 step quantises a few hundred times (its trace took
     # 1.3x to 1.8x bfloat16's). ``x`` is float32 (_quantize).
     reduced = tuple(range(x.ndim)) if axes is None else tuple(axes)
-    # The max with 0: an operand of size 0 has an amax too (then its scale
-    # is finite, and its product zeros), as an empty sum is 0; a NaN stays.
-    amax = lax.max(lax.reduce_max(lax.abs(x), reduced), np.float32(0))
+    amax = lax.reduce_max(lax.abs(x), reduced)
     if axes is not None:
         amax = lax.expand_dims(amax, reduced)
     # lax.min and lax.max keep a NaN (a NaN amax), and an inf amax gives 0.
+    # An operand of size 0 has the amax -inf, floored to EPS: its scale is
+    # finite (its product zeros, as an empty sum is 0).
     scale = lax.div(np.float32(_MAX[dtype]), lax.max(amax, np.float32(EPS)))
     scale = lax.min(scale, np.float32(MAX_SCALE))
     return round_down_to_power_of_two(scale) if pow2 else scale
@@ -195,13 +195,15 @@ def _as_float32(x: jax.Array) -> jax.Array:
     )
 
 
-@functools.partial(_compat.inline_jit, static_argnums=(1, 2, 3))
+# A jit, not inlined: a quantisation is one equation for every
+# transformation after it (grad's, a scan's, the lowering), and the layers
+# of a model quantise operands of a few shapes, each traced once. (Inlined,
+# the float8 step of a scanned 12-layer model traced at 1.36x-1.43x
+# bfloat16's; benchmarks/float8_trace.py.)
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _quantize(
     x: jax.Array, dtype: np.dtype, axes: tuple[int, ...] | None, pow2: bool
 ) -> tuple[jax.Array, jax.Array]:
-    # An inline jit: the layers of a model quantise operands of a few
-    # shapes, each traced once and inlined at every other call (a
-    # dozen-odd operations a quantisation, bound once each otherwise).
     x = _as_float32(x)
     scale = _scale(x, dtype, axes, pow2)
     return lax.convert_element_type(lax.mul(x, scale), dtype), scale
@@ -219,13 +221,16 @@ def _inverse_in_output(
     if inverse.ndim == 0:
         return inverse
     free = [d for d in range(ndim) if d not in contract and d not in batch]
-    inverse = lax.squeeze(inverse, tuple(contract))
     kept = sorted([*batch, *free])
-    inverse = lax.transpose(
-        inverse, tuple(kept.index(d) for d in [*batch, *free])
-    )
+    order = tuple(kept.index(d) for d in [*batch, *free])
+    sizes = [inverse.shape[d] for d in [*batch, *free]]
     start = len(batch) + len(free) if lhs_side else len(batch)
-    return lax.expand_dims(inverse, tuple(range(start, start + other_free)))
+    shape = (*sizes[:start], *[1] * other_free, *sizes[start:])
+    if order != tuple(range(len(order))):  # batch axes after free ones
+        inverse = lax.transpose(lax.squeeze(inverse, tuple(contract)), order)
+    # Only size-1 axes move: a reshape (none at all for ``x @ w``'s
+    # layouts), one equation where squeeze and expand_dims would be two.
+    return inverse if inverse.shape == shape else lax.reshape(inverse, shape)
 
 
 @functools.partial(_compat.inline_jit, static_argnums=(4, 5))
@@ -402,8 +407,21 @@ def _cotangent(
         dims, x_ref.ndim, qy.ndim, swap_ans
     )
     sharding = _compat.transpose_out_sharding(x_ref, unsorted)
-    out = _scaled_dot(g, gs, qy, ys, new_dims, sharding)
-    return lax.transpose(out, out_axes).astype(x_dtype)
+    return _cotangent_product(
+        g, gs, qy, ys, new_dims, sharding, out_axes, np.dtype(x_dtype)
+    )
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7))
+def _cotangent_product(
+    g: jax.Array, gs: jax.Array, qy: jax.Array, ys: jax.Array, dims: Dims,
+    sharding: Any, out_axes: tuple[int, ...], dtype: np.dtype,
+) -> jax.Array:  # fmt: skip
+    """:func:`_scaled_dot`, transposed to x's axes, in x's dtype: a jit,
+    one equation of the backward pass (bound a few hundred times in a
+    deep model's step, each a dozen-odd operations otherwise)."""
+    out = _scaled_dot(g, gs, qy, ys, dims, sharding)
+    return lax.transpose(out, out_axes).astype(dtype)
 
 
 def _fp8_dot_bwd(
@@ -411,7 +429,17 @@ def _fp8_dot_bwd(
     dtypes: tuple[np.dtype, np.dtype], saved: Any, g: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     del out_sharding  # the cotangents take their operands' shardings
-    g = _differentiated_once(g)
+    return _cotangents(_differentiated_once(g), saved, dims, config, dtypes)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _cotangents(
+    g: jax.Array, saved: Any, dims: Dims, config: Float8,
+    dtypes: tuple[np.dtype, np.dtype],
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """Both operands' cotangents: a jit, so that the backward pass of each
+    float8 matmul is one equation for the transformations after it (a
+    scan's transpose, the lowering), traced once per signature."""
     row = config.row
     lhs_dtype, rhs_dtype = dtypes
     kept_lhs, kept_rhs = saved
