@@ -21,7 +21,7 @@ from lossscale._autocast import _islands, _matmul
 from lossscale._autocast._cast import cast, cast_cache, store
 from lossscale._autocast._classes import F32_DTYPE, Cls, class_dtype, is_float
 from lossscale._autocast._config import Call
-from lossscale._autocast._plan import NARROW_MOVE, Mode, Node, Plan
+from lossscale._autocast._plan import Mode, Node, Plan
 from lossscale._autocast._rules import TABLE
 
 EmitHigher = Callable[[Call, Any, Node, list[Any]], list[Any]]
@@ -95,9 +95,11 @@ def _equation(call: Call, eqn: Any, node: Node, invals: list[Any]) -> list[Any]:
     if node.mode is Mode.CONVERT:
         return _compat.bind_equation(eqn, invals)
     if node.mode is Mode.FLOAT8:
-        out = _matmul.emit_float8(call, eqn, invals, node.data)
+        # float8_rule gives each float8 matmul a role naming its weight.
+        assert node.role is not None and node.role.weight is not None
+        out = _matmul.emit_float8(call, eqn, invals, node.role.weight)
         return store(out, node.outs, compute)
-    if node.data is NARROW_MOVE:
+    if node.narrow:
         return store(narrow_move(eqn, invals[0], compute), node.outs, compute)
     dtype = {Mode.COMPUTE: compute, Mode.FLOAT32: F32_DTYPE}.get(node.mode)
     if node.remat:

@@ -33,7 +33,6 @@ from lossscale._autocast._config import Config
 from lossscale._autocast._fold import fold
 from lossscale._autocast._plan import (
     CONVERT,
-    NARROW_MOVE,
     JaxprFacts,
     KindArgs,
     Mode,
@@ -137,7 +136,7 @@ def _promote(a: KindArgs) -> tuple[Node, list[Info]]:
         # and then rounded (half the bytes), and its gradient is moved
         # back (reduce-scattered) in float32 all the same, as today.
         node, infos = a.result(Mode.COMPUTE, Cls.LOW)
-        return node._replace(data=NARROW_MOVE), infos
+        return node._replace(narrow=True), infos
     if Cls.F32 in a.floats or (a.float_outs and all(a.only32) and not exact):
         if Cls.LOW in a.floats and rounded:
             return a.result(Mode.FLOAT32, Cls.LOW)

@@ -20,7 +20,7 @@ traced dtypes, with a warning naming it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -39,7 +39,7 @@ from lossscale._autocast._classes import (
 )
 from lossscale._autocast._config import Call, Config, JaxprCache
 from lossscale._autocast._fold import FOLD_SIZE
-from lossscale._autocast._plan import Mode, Node, Plan
+from lossscale._autocast._plan import Mode, Node, Plan, SubPlans
 
 _FITS_SIZE = 1 << 16
 
@@ -48,15 +48,6 @@ _FITS_SIZE = 1 << 16
 # in this call or the next, the block is the same function to JAX, whose
 # caches then hit (no re-tracing, no re-compiling).
 _EMITTED = JaxprCache()
-
-
-class _Data(NamedTuple):
-    """What a handler's node keeps: the plans of its jaxprs, and which
-    operands reach a float32 operation inside (``demanded``)."""
-
-    plans: tuple[Plan, ...]
-    demanded: tuple[bool, ...]
-    extra: Any = None
 
 
 _CONSTS = JaxprCache()
@@ -108,7 +99,7 @@ def _higher_node(
         tuple(i.cls for i in ins),
         tuple(outs),
         tuple(reads32),
-        _Data(tuple(plans), tuple(demanded), extra),
+        SubPlans(tuple(plans), tuple(demanded), extra),
     )
 
 

@@ -269,8 +269,8 @@ TRANSPOSED = re.compile(r"(?:^|[/(])(?:transpose|jvp)\(")
 
 def float8_rule(a: KindArgs) -> tuple[Node, list[Info]]:
     """A ``dot_general``'s rule under a float8 recipe: float8 where it is
-    a linear layer the recipe takes (its node's data is its
-    :class:`._weights.Role`), else :func:`matmul_rule` with the reason;
+    a linear layer the recipe takes (its node's ``role``), else
+    :func:`matmul_rule` with the reason (its node's ``reason``);
     refused where it is a derivative's."""
     entry = excluded_by(a.eqn, a.float8, a.role)
     if entry is not None:
@@ -286,12 +286,12 @@ def float8_rule(a: KindArgs) -> tuple[Node, list[Info]]:
     reason = float8_ineligible(a.eqn, a.float8, a.role, entry)
     if reason is not None:
         node, outs = matmul_rule(a)
-        return node._replace(data=reason), outs
+        return node._replace(reason=reason), outs
     node, outs = a.result(Mode.FLOAT8, Cls.LOW)
     role = a.role
     if role is None or role.weight is None:  # by position: x @ w
         role = _weights.Role(1)
-    return node._replace(data=role), outs
+    return node._replace(role=role), outs
 
 
 def float8_summary(plan: Plan) -> tuple[int, list[str]]:
@@ -306,15 +306,15 @@ def float8_summary(plan: Plan) -> tuple[int, list[str]]:
                 n, why = float8_summary(sub)
                 count += n
                 reasons.extend(why)
-        elif isinstance(node.data, str):
-            reasons.append(node.data)
+        elif node.reason is not None:
+            reasons.append(node.reason)
     return count, reasons
 
 
-def emit_float8(call: Any, eqn: Any, invals: list[Any], role: Any) -> list:
+def emit_float8(call: Any, eqn: Any, invals: list[Any], weight: int) -> list:
     """A matmul in float8: its operands are quantised from the dtypes they
     are stored in (a float32 weight directly, not through 16 bits);
-    ``role``: which operand is its weight (a :class:`._weights.Role`)."""
+    ``weight``: which operand is its weight."""
     lhs, rhs = invals
     with float8_forward_mode(), _compat.equation_context(eqn):
         return [
@@ -324,7 +324,7 @@ def emit_float8(call: Any, eqn: Any, invals: list[Any], role: Any) -> list:
                 eqn.params["dimension_numbers"],
                 call.config.float8,
                 out_sharding=eqn.params.get("out_sharding"),
-                weight=role.weight,
+                weight=weight,
             )
         ]
 

@@ -49,14 +49,23 @@ class Mode(enum.Enum):
     HIGHER = "higher"  # a handler of ._higher emits it from ``data``
 
 
-# A COMPUTE node's ``data`` for a move of a float32 value that every
-# reader rounds (``_rules.Record.gathers``): rounded first, then moved (an
-# FSDP all-gather in 16 bits), its derivative moved back in float32.
-NARROW_MOVE = "narrow move"
-
 # The modes in which a matmul rounds its operands (to the compute dtype,
 # or to float8 from whatever dtype they have).
 ROUNDING = frozenset({Mode.COMPUTE, Mode.FLOAT8})
+
+
+class SubPlans(NamedTuple):
+    """What a higher-order equation's node keeps: the plans of its
+    jaxprs, which operands reach a float32 operation inside
+    (``demanded``), and what its handler adds (``extra``)."""
+
+    plans: tuple[Plan, ...]
+    demanded: tuple[bool, ...]
+    extra: Any = None
+
+
+# A first-order equation's node's data: no jaxprs.
+NO_PLANS = SubPlans((), ())
 
 
 class Node(NamedTuple):
@@ -64,19 +73,24 @@ class Node(NamedTuple):
 
     ``outs``: the classes of its results, which the emitted values are
     stored in. ``reads32``: per operand, whether the equation reads it in
-    float32. ``remat``: its derivative is recomputed from its operands.
-    ``data``: a higher-order equation's plans (:mod:`._higher`); for a
-    float8 matmul, its :class:`._weights.Role`; for a matmul kept out of
-    float8, why; for a move that rounds before it moves,
-    :data:`NARROW_MOVE`.
+    float32. ``data``: a higher-order equation's plans (:mod:`._higher`);
+    a first-order one's has none. ``remat``: its derivative is recomputed
+    from its operands. ``role``: a float8 matmul's (which operand is its
+    weight). ``reason``: why a matmul of the float8 kind is kept 16-bit.
+    ``narrow``: a move of a float32 value that every reader rounds
+    (``_rules.Record.gathers``): rounded first, then moved (an FSDP
+    all-gather in 16 bits), its derivative moved back in float32.
     """
 
     mode: Mode
     ins: tuple[Cls, ...]
     outs: tuple[Cls, ...]
     reads32: tuple[bool, ...]
-    data: Any = None
+    data: SubPlans = NO_PLANS
     remat: bool = False
+    role: _weights.Role | None = None
+    reason: str | None = None
+    narrow: bool = False
 
 
 class Plan(NamedTuple):
@@ -224,7 +238,7 @@ def make_node(
         reads32 = tuple(
             f and c != Cls.KEEP for f, c in zip(flags, classes, strict=True)
         )
-    return Node(mode, classes, tuple(outs), reads32, None, remat)
+    return Node(mode, classes, tuple(outs), reads32, remat=remat)
 
 
 def traced(

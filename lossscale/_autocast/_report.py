@@ -203,8 +203,8 @@ def _why(eqn: Any, node: Any, place: _Place) -> str:
     config = place.config
     if node.mode is _plan.Mode.FLOAT8:
         return "float8"
-    if isinstance(node.data, str):
-        return node.data  # a float8 matmul that could not be
+    if node.reason is not None:
+        return node.reason  # a float8 matmul that could not be
     if node.mode is _plan.Mode.TRACED:
         if _plan.eqn_facts(eqn).scoped:
             return "float32_scope"
