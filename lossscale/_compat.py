@@ -625,7 +625,7 @@ HIGHER_ORDER_PARAMS["checkpoint"] = HIGHER_ORDER_PARAMS["remat2"]
 def check_params(eqn: Any) -> None:
     """Raises :class:`UnknownParams` for a param autocast does not know
     (every higher-order primitive autocast handles has its entry in
-    :data:`HIGHER_ORDER_PARAMS`: ``lossscale/_autocast/_higher.py``
+    :data:`HIGHER_ORDER_PARAMS`: ``lossscale/_autocast/_handlers.py``
     registers none without one)."""
     known = HIGHER_ORDER_PARAMS[eqn.primitive.name]
     unknown = sorted(set(eqn.params) - known)

@@ -16,7 +16,7 @@ from jax._src.interpreters import mlir  # the registry of lowered primitives
 
 import lossscale
 from lossscale import _compat
-from lossscale._autocast import _higher
+from lossscale._autocast import _handlers
 from lossscale._autocast import _rules as R
 
 
@@ -95,7 +95,7 @@ def test_every_higher_order_param_of_this_jax_is_known():
     for name, params in found.items():
         if name == "custom_vjp_call":  # runs whole at its traced dtypes
             continue
-        assert name in _higher.HANDLED, name
+        assert name in _handlers.HANDLED, name
         unknown = params - _compat.HIGHER_ORDER_PARAMS[name]
         assert not unknown, (name, unknown)
 

@@ -15,7 +15,7 @@ from jax.extend.core import primitives
 
 import lossscale
 from lossscale import _compat
-from lossscale._autocast import _emit, _equation, _higher
+from lossscale._autocast import _emit, _equation, _handlers
 from lossscale._autocast import _rules as R
 
 PACKAGE = pathlib.Path(lossscale.__file__).parent / "_autocast"
@@ -32,6 +32,8 @@ LAYERS = [
     ["_infer"],
     ["_emit"],
     ["_higher"],
+    ["_control"],
+    ["_handlers"],
     ["_run"],
     ["_eager"],
     ["_api", "_report"],
@@ -88,7 +90,7 @@ def test_each_pass_owns_its_table_and_the_handlers_fill_both():
     assert set(_equation.HIGHER) == set(_emit.HIGHER)
     names = {p.name for p in _equation.HIGHER}
     assert {"scan", "while", "cond", "custom_jvp_call", "shard_map"} <= names
-    assert names <= _higher.HANDLED
+    assert names <= _handlers.HANDLED
     islands = {p.name for p, h in _equation.HIGHER.items() if h.island}
     assert islands == {"jit", "pjit", "custom_jvp_call"} & names
 

@@ -42,13 +42,18 @@ listed before it; ``tests/test_autocast_table.py`` checks it):
    :mod:`._infer`: the first pass over a jaxpr (the fixed point of its
    equations' rules, its float32 islands).
 6. :mod:`._emit`: the second pass, with its table (:data:`._emit.HIGHER`).
-7. :mod:`._higher`: the handlers of higher-order primitives (``jit``,
-   ``scan``, ``while``, ``cond``, ``checkpoint``, ``custom_jvp_call``,
-   ``shard_map``), registered into both passes' tables: **a handler for a
-   new higher-order primitive is one entry there**.
-8. :mod:`._run`: one call (trace, plan, emit, write NNX state back).
-9. :mod:`._eager`: the wrapper, comparable, and its eager compilation.
-10. :mod:`._api`: :func:`autocast`, :func:`float32_scope` and
+7. :mod:`._higher`: what every handler of a higher-order primitive is
+   made of, and the handlers of calls (``jit``, ``checkpoint``,
+   ``custom_jvp_call``, ``shard_map``).
+8. :mod:`._control`: the handlers of control flow (``scan``, ``while``,
+   ``cond``).
+9. :mod:`._handlers`: the table of higher-order primitives, registered
+   into both passes' tables: **a handler for a new higher-order
+   primitive is one row there** (with its known params in
+   :data:`lossscale._compat.HIGHER_ORDER_PARAMS`).
+10. :mod:`._run`: one call (trace, plan, emit, write NNX state back).
+11. :mod:`._eager`: the wrapper, comparable, and its eager compilation.
+12. :mod:`._api`: :func:`autocast`, :func:`float32_scope` and
    :func:`compute_scope`;
    :mod:`._report`: :func:`matmuls`, which lists each matmul's dtype.
 

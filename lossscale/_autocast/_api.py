@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale import _policy
-from lossscale._autocast import _eager, _float8, _higher, _plan
+from lossscale._autocast import _eager, _float8, _handlers, _plan
 from lossscale._autocast import _rules as R
 from lossscale._autocast._classes import F32_DTYPE
 from lossscale._autocast._config import Config, frozen_items
@@ -322,7 +322,7 @@ def _tables(
                 "compute_dtype=lossscale.Float8(...)."
             )
     for key in primitive:
-        if key in R.FUNCTION_RULES or key in _higher.HANDLED:
+        if key in R.FUNCTION_RULES or key in _handlers.HANDLED:
             raise ValueError(
                 f"rules[{key!r}]: {key!r} is "
                 + (

@@ -4,7 +4,7 @@
 core the copy-free skip shares) under the caller's trace, casting each
 equation's float operands to the dtype its :class:`~._plan.Node`'s mode
 names and storing each result in its class's dtype. This pass owns its
-table of higher-order primitives (:data:`HIGHER`), which :mod:`._higher`
+table of higher-order primitives (:data:`HIGHER`), which :mod:`._handlers`
 registers into; float32 islands are bound by :mod:`._islands`.
 """
 

@@ -7,7 +7,7 @@ to the ``Primitive`` objects JAX binds (:func:`lossscale._compat.
 primitives_named`), and the two passes look records up by primitive
 (:data:`TABLE`). A name no installed JAX has is skipped. Higher-order
 primitives (whose params hold jaxprs) are not rules but handlers,
-registered into each pass's own table by :mod:`._higher`.
+registered into each pass's own table by :mod:`._handlers`.
 
 The kinds (:class:`Kind`), and the public rule each one is
 (:data:`PRIMITIVE_RULES`, public as :data:`lossscale.AUTOCAST_RULES`):
