@@ -19,6 +19,8 @@ collective to float32 (it keeps float16), so the compiled CPU module is
 checked with ``autocast(..., float16)``.
 """
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -476,41 +478,55 @@ def test_gpt_blocks_explicit_reshards_16_bits_and_keeps_the_values():
         np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="autocast picks a gather's dtype from its readers and does not "
-    "look through a scan's xs: gathered before the scan, the stacked "
-    "kernels' reader is the scan, so they are gathered in float32",
-)
-def test_gpt_blocks_gathered_before_the_scan_gather_16_bits():
-    # FSDP without prefetch, and all that the demo's forward allows (it
-    # takes no gather hook): the whole param tree gathered at the start of
-    # the loss, then the scan over the layers (as GPT.__call__'s nnx.scan).
-    # Today every gather stays float32 under bfloat16 autocast: 393,216
-    # bytes lowered, as the float32 program's, where gathering in the
-    # scan's body (the tests above) halves them.
+def _gathered_first(float32):
+    """The blocks' loss with the whole stacked kernels gathered before the
+    scan over the layers (FSDP without prefetch; the demo's forward takes
+    no gather hook): the scan is the gathered kernels' reader, and every
+    use inside it is a matmul's operand. ``float32``: the gathers kept
+    float32 (the reference)."""
     graphdef, _ = _blocks()
 
     def gather(w):
-        return jax.lax.all_gather(w, AXIS, axis=1, tiled=True)
+        with lossscale.float32_scope() if float32 else contextlib.nullcontext():
+            return jax.lax.all_gather(w, AXIS, axis=1, tiled=True)
 
-    def loss(params, x, y):
-        return _scan(graphdef, _kernels(params, gather, ndim=3), x, y)
+    def model(_):
+        def loss(params, x, y):
+            return _scan(graphdef, _kernels(params, gather, ndim=3), x, y)
 
-    loss = lossscale.autocast(loss, jnp.bfloat16)
+        return loss
 
-    def body(params, x, y):
-        value, grads = jax.value_and_grad(loss)(params, x, y)
-        return jax.lax.pmean(value, AXIS), grads
+    return model
 
-    specs = _gpt_specs()
-    step = jax.shard_map(
-        body,
-        mesh=jax.sharding.Mesh(jax.devices()[:4], (AXIS,)),
-        in_specs=(specs, BATCH, BATCH),
-        out_specs=(P(), specs),
-    )
-    jaxpr = jax.make_jaxpr(step)(*_gpt_args()).jaxpr
+
+def test_gpt_blocks_gathered_before_the_scan_gather_16_bits():
+    # Autocast looks through the scan: its body rounds the kernels at
+    # every use, so they are gathered rounded (before, they were gathered
+    # in float32: 393,216 bytes, as the reference below still does).
+    def step(float32):
+        return _shard_map_step(
+            jnp.float16,
+            model=_gathered_first(float32),
+            args=_gpt_args,
+            specs=_gpt_specs(),
+        )
+
+    (step16, args), (reference, _) = step(False), step(True)
+    whole = 2 * _gpt_f32_gather()  # both layers' kernels, float32
+    jaxpr = jax.make_jaxpr(step16)(*args).jaxpr
+    assert set(_results(jaxpr, "all_gather")) == {"float16"}
     assert set(_results(jaxpr, "reduce_scatter")) == {"float32"}
-    assert set(_results(jaxpr, "all_gather")) == {"bfloat16"}
+    ref_table = _table(reference.lower(*args).as_text(dialect="hlo"))
+    assert _dtypes(ref_table, "all-gather") == {"f32"}
+    assert _bytes(ref_table, "all-gather") == whole
+    table = _table(step16.lower(*args).compile().as_text())
+    assert _dtypes(table, "all-gather") == {"f16"}
+    assert _bytes(table, "all-gather") == whole // 2
+    assert _dtypes(table, "reduce-scatter") == {"f32"}
+    (value, grads), (ref_value, ref_grads) = step16(*args), reference(*args)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    for grad, ref_grad in zip(
+        jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True
+    ):
+        assert grad.dtype == jnp.float32
+        np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-7)

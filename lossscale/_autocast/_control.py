@@ -88,7 +88,13 @@ def _scan_infer(
     carry_ins = ins[n_consts : n_consts + n_carry]
     carry, plan = _carry_fixed_point(_carry_start(carry_ins), body)
     outs = [*carry, *plan.outs[n_carry:]]
-    return _higher_node(ins, outs, plan.reads32, [plan], plan.demanded)
+    # A carry's class is the loop's fixed point, not its start's: only
+    # the consts and xs may come in rounded.
+    rounded = list(plan.rounded)
+    rounded[n_consts : n_consts + n_carry] = [False] * n_carry
+    return _higher_node(
+        ins, outs, plan.reads32, [plan], plan.demanded, rounded=rounded
+    )
 
 
 def _scan_emit(call: Call, eqn: Any, node: Node, invals: list[Any]) -> list:

@@ -91,6 +91,7 @@ def _higher_node(
     plans: Sequence[Plan],
     demanded: Sequence[bool],
     extra: Any = None,
+    rounded: Sequence[bool] = (),
 ) -> Node:
     """A higher-order equation's node, from the plans of its jaxprs."""
     return Node(
@@ -98,7 +99,7 @@ def _higher_node(
         tuple(i.cls for i in ins),
         tuple(outs),
         tuple(reads32),
-        SubPlans(tuple(plans), tuple(demanded), extra),
+        SubPlans(tuple(plans), tuple(demanded), extra, tuple(rounded)),
     )
 
 
@@ -147,7 +148,10 @@ def _call_infer(
     config: Config, eqn: Any, ins: list[Info], only32: list, demanded: list
 ) -> Node:
     plan = _closed_plan(config, _compat.call_jaxpr(eqn), ins, only32, demanded)
-    return _higher_node(ins, plan.outs, plan.reads32, [plan], plan.demanded)
+    return _higher_node(
+        ins, plan.outs, plan.reads32, [plan], plan.demanded,
+        rounded=plan.rounded,
+    )  # fmt: skip
 
 
 def _closed_plan(
@@ -198,7 +202,10 @@ def _open_infer(
     plan = _infer.infer(
         config, eqn.params["jaxpr"], [], [i.cls for i in ins], only32, demanded
     )
-    return _higher_node(ins, plan.outs, plan.reads32, [plan], plan.demanded)
+    return _higher_node(
+        ins, plan.outs, plan.reads32, [plan], plan.demanded,
+        rounded=plan.rounded,
+    )  # fmt: skip
 
 
 def _checkpoint_emit(call: Call, eqn: Any, node: Node, invals: list) -> list:

@@ -176,6 +176,7 @@ def _plan(
                 rounds.out_classes(),
                 in_reads32,
                 in_demanded,
+                rounds.rounded(),
             )
     raise RuntimeError(  # pragma: no cover - each fact changes once
         "lossscale.autocast: the inference pass did not converge."
@@ -299,6 +300,13 @@ class _Rounds:
             tuple(any(d for _, d in u) for u in used),
         )
 
+    def rounded(self) -> tuple[bool, ...]:
+        """Per input of the jaxpr, whether every use rounds it."""
+        return tuple(
+            not _unrounded(self.jf, self.nodes, self.new, v)
+            for v in self.jaxpr.invars
+        )
+
     def merge(self) -> bool:
         """Or this round's facts into the known ones; whether any changed
         (if none did, the plan is found)."""
@@ -361,6 +369,9 @@ def _unrounded(
         if node.mode in ROUNDING and ef.matmul:
             found = True
             continue
+        if node.mode is Mode.HIGHER and _rounded_inside(node, eqn, var):
+            found = True
+            continue
         exact = (ef.moves and node.mode is not Mode.CONVERT) or (
             node.mode is Mode.HIGHER
             and HIGHER[eqn.primitive].island
@@ -375,6 +386,16 @@ def _unrounded(
     return not found
 
 
+def _rounded_inside(node: Node, eqn: Any, var: Any) -> bool:
+    """Whether a higher-order equation rounds its operand ``var`` at every
+    use inside (the layers' weights of a scan, gathered before it)."""
+    rounded = node.data.rounded
+    return any(
+        a is var and i < len(rounded) and rounded[i]
+        for i, a in enumerate(eqn.invars)
+    )
+
+
 def _finish(
     planning: Planning,
     nodes: dict[Any, Node],
@@ -383,6 +404,7 @@ def _finish(
     outs: tuple[Cls, ...],
     reads32: tuple[bool, ...],
     demanded: tuple[bool, ...],
+    rounded: tuple[bool, ...],
 ) -> Plan:
     jf = planning.facts
     members = [_member(jf, e, nodes[e]) for e in jf.eqns]
@@ -413,6 +435,7 @@ def _finish(
         frozenset(functions),
         outside,
         planning.roles,
+        rounded,
     )
 
 

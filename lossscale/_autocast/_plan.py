@@ -62,6 +62,10 @@ class SubPlans(NamedTuple):
     plans: tuple[Plan, ...]
     demanded: tuple[bool, ...]
     extra: Any = None
+    # Per operand, every use inside rounds it to the compute dtype (a
+    # matmul's operand, through exact moves): a float32 value gathered for
+    # a scan of layers may then be gathered rounded. Empty: none is.
+    rounded: tuple[bool, ...] = ()
 
 
 # A first-order equation's node's data: no jaxprs.
@@ -111,6 +115,8 @@ class Plan(NamedTuple):
     outside: frozenset[Any] = frozenset()
     # Under a float8 recipe, what the dataflow says each matmul is.
     roles: Mapping[Any, _weights.Role] = {}
+    # Per input: every use of it rounds it to the compute dtype.
+    rounded: tuple[bool, ...] = ()
 
 
 class EqnFacts(NamedTuple):
