@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import pytest
 from jax import lax
@@ -117,3 +118,31 @@ def test_a_users_rule_is_resolved_to_the_primitive_once():
 def test_a_float8_rule_where_none_can_apply_is_refused(rules, match):
     with pytest.raises(ValueError, match=match):
         lossscale.autocast(lambda x: x, jnp.bfloat16, rules=rules)
+
+
+def test_the_programs_casts_have_a_record_and_take_no_rule():
+    # convert_element_type is a record of its own kind (the program's own
+    # cast, kept: "original" in the public table), read like any other.
+    (convert_p,) = _compat.primitives_named(["convert_element_type"]).values()
+    assert R.TABLE[convert_p].kind is R.Kind.CONVERT
+    assert R.TABLE[convert_p].keeps_nothing
+    assert lossscale.AUTOCAST_RULES["convert_element_type"] == "original"
+    # A rule for it was accepted and ignored, and warned that it matched
+    # nothing although the program casts: now refused, naming the key.
+    with pytest.raises(ValueError, match="convert_element_type"):
+        lossscale.autocast(
+            lambda x: x.astype(jnp.float32),
+            rules={"convert_element_type": "float32"},
+        )
+    # The cast is kept as the program wrote it: the product ends float16,
+    # not in the compute dtype (the product is rounded once, from its
+    # float32 accumulator).
+    f = lossscale.autocast(lambda x, w: (x @ w).astype(jnp.float16))
+    x = jnp.ones((4, 4))
+    casts = [
+        (e.invars[0].aval.dtype, e.outvars[0].aval.dtype)
+        for e in jax.make_jaxpr(f)(x, x).eqns
+        if e.primitive.name == "convert_element_type"
+    ]
+    assert casts and all(out == jnp.float16 for _, out in casts)
+    assert f(x, x).dtype == jnp.float16

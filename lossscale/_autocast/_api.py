@@ -322,6 +322,14 @@ def _tables(
                 "compute_dtype=lossscale.Float8(...)."
             )
     for key in primitive:
+        record = R.RECORDS.get(key)
+        if record is not None and record.kind is R.Kind.CONVERT:
+            raise ValueError(
+                f"rules[{key!r}]: autocast keeps the program's own casts "
+                "as they are, so convert_element_type takes no rule; give "
+                "the rule to the operations that read the cast value, or "
+                f"keep them in float32_scope(). Got rules={dict(primitive)!r}."
+            )
         if key in R.FUNCTION_RULES or key in _handlers.HANDLED:
             raise ValueError(
                 f"rules[{key!r}]: {key!r} is "

@@ -15,7 +15,7 @@ reads.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -32,7 +32,6 @@ from lossscale._autocast._classes import (
 from lossscale._autocast._config import Config
 from lossscale._autocast._fold import fold
 from lossscale._autocast._plan import (
-    CONVERT,
     JaxprFacts,
     KindArgs,
     Mode,
@@ -144,12 +143,38 @@ def _promote(a: KindArgs) -> tuple[Node, list[Info]]:
     return a.result(Mode.COMPUTE, Cls.LOW)
 
 
+def _convert(a: KindArgs) -> tuple[Node, list[Info]]:
+    """An explicit cast the traced program shows: kept."""
+    eqn, infos, compute = a.eqn, a.infos, a.compute
+    (info,) = infos
+    new = np.dtype(eqn.params["new_dtype"])
+    values = fold(
+        a.folded, eqn, infos, lambda v: [np.asarray(v[0]).astype(new)]
+    )
+    value = None if values is None else values[0]
+    if not is_float(new):
+        out = Cls.KEEP
+    elif new == compute:
+        out = Cls.LOW
+    elif new == np.float32:
+        if info.cls == Cls.CONST16:
+            out = Cls.CONST16
+        else:
+            held = of_conversion(eqn.invars[0].aval.dtype, new, compute)
+            out = Cls.F32 if held is None else held
+    else:
+        out = Cls.KEEP
+    node = Node(Mode.CONVERT, (info.cls,), (out,), (False,))
+    return node, [Info(out, value)]
+
+
 KINDS: dict[R.Kind, Callable[[KindArgs], tuple[Node, list[Info]]]] = {
     R.Kind.MATMUL: _matmul.matmul_rule,
     R.Kind.FLOAT8: _matmul.float8_rule,
     R.Kind.BOUNDED: _bounded,
     R.Kind.FLOAT32: _float32,
     R.Kind.PROMOTE: _promote,
+    R.Kind.CONVERT: _convert,
 }
 """This pass's rule for each kind of :mod:`._rules`."""
 
@@ -200,9 +225,30 @@ def forward(
     floats = {i.cls for i, f in zip(infos, ef.float_in, strict=True) if f}
     if Cls.KEEP in floats:
         return traced(eqn, infos, compute, ef)
-    if eqn.primitive is CONVERT:
-        return _convert(planning, eqn, infos, compute)
     record, override = config.record(eqn.primitive)
+
+    def args(record: R.Record) -> KindArgs:
+        return KindArgs(
+            eqn,
+            record,
+            infos,
+            floats,
+            list(ef.float_out),
+            only32,
+            demanded,
+            unrounded,
+            compute,
+            config.float8,
+            ef,
+            planning.roles.get(eqn),
+            planning.used,
+            planning.facts.folded,
+        )
+
+    if record is not None and record.kind is R.Kind.CONVERT:
+        # Before the folding below: it keeps the program's dtype, and
+        # folds with its own cast (autocast refuses a rule for it).
+        return KINDS[record.kind](args(record))
     if override is not None:
         planning.used.add(("primitive", override))
     if record is None:
@@ -222,48 +268,4 @@ def forward(
             node = make_node(eqn, Mode.TRACED, infos, outs, ef=ef)
             return node, [Info(c) for c in outs]
         return traced(eqn, infos, compute, ef)
-    args = KindArgs(
-        eqn,
-        record,
-        infos,
-        floats,
-        list(ef.float_out),
-        only32,
-        demanded,
-        unrounded,
-        compute,
-        config.float8,
-        ef,
-        planning.roles.get(eqn),
-        planning.used,
-    )
-    return KINDS[record.kind](args)
-
-
-def _convert(
-    planning: Planning, eqn: Any, infos: Sequence[Info], compute: np.dtype
-) -> tuple[Node, list[Info]]:
-    """An explicit cast the traced program shows: kept."""
-    (info,) = infos
-    new = np.dtype(eqn.params["new_dtype"])
-    values = fold(
-        planning.facts.folded,
-        eqn,
-        infos,
-        lambda v: [np.asarray(v[0]).astype(new)],
-    )
-    value = None if values is None else values[0]
-    if not is_float(new):
-        out = Cls.KEEP
-    elif new == compute:
-        out = Cls.LOW
-    elif new == np.float32:
-        if info.cls == Cls.CONST16:
-            out = Cls.CONST16
-        else:
-            held = of_conversion(eqn.invars[0].aval.dtype, new, compute)
-            out = Cls.F32 if held is None else held
-    else:
-        out = Cls.KEEP
-    node = Node(Mode.CONVERT, (info.cls,), (out,), (False,))
-    return node, [Info(out, value)]
+    return KINDS[record.kind](args(record))

@@ -49,7 +49,6 @@ from lossscale._autocast._classes import Cls, Info, is_float
 from lossscale._autocast._config import Config, JaxprCache
 from lossscale._autocast._equation import HIGHER, Planning, forward
 from lossscale._autocast._plan import (
-    CONVERT,
     ROUNDING,
     JaxprFacts,
     Mode,
@@ -450,8 +449,6 @@ def _member(jf: JaxprFacts, eqn: Any, node: Node) -> bool:
         return HIGHER[eqn.primitive].island and all(
             p.pure for p in node.data.plans
         )
-    if eqn.primitive is CONVERT:
-        return True
     return (
         node.mode is not Mode.HIGHER
         and not ef.matmul
@@ -465,8 +462,6 @@ def _keeps(jf: JaxprFacts, eqn: Any, node: Node) -> bool:
     backward pass (a float32 island without one needs no checkpoint)."""
     if node.mode is Mode.HIGHER:
         return True
-    if eqn.primitive is CONVERT:
-        return False
     literal = _SCALINGS.get(eqn.primitive)
     if literal is not None:
         return not any(_compat.is_literal(eqn.invars[i]) for i in literal)

@@ -33,9 +33,6 @@ def _scope_re(name: str) -> re.Pattern[str]:
 
 _SCOPE_RE = _scope_re(FLOAT32_SCOPE)
 _COMPUTE_RE = _scope_re(COMPUTE_SCOPE)
-CONVERT = _compat.primitives_named(["convert_element_type"])[
-    "convert_element_type"
-]
 
 
 class Mode(enum.Enum):
@@ -149,7 +146,7 @@ def eqn_facts(eqn: Any) -> EqnFacts:
         function=_compat.function_name(eqn),
         record=record,
         matmul=record is not None and record.kind is R.Kind.MATMUL,
-        moves=(record is not None and record.moves) or eqn.primitive is CONVERT,
+        moves=record is not None and record.moves,
         float_in=tuple(is_float(a.aval.dtype) for a in eqn.invars),
         float32_in=tuple(
             is_float(a.aval.dtype) and np.dtype(a.aval.dtype) == np.float32
@@ -277,6 +274,8 @@ class KindArgs(NamedTuple):
     facts: EqnFacts
     role: _weights.Role | None  # a matmul's, under a float8 recipe
     used: set[tuple[str, Any]]  # the overrides the plan applied
+    # The jaxpr's folded values (a cast folds its constant operand).
+    folded: dict[Any, Any]
 
     def result(
         self, mode: Mode, cls: Cls, remat: bool = False

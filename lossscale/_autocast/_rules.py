@@ -34,6 +34,9 @@ The kinds (:class:`Kind`), and the public rule each one is
   an input, a statistic, a constant the compute dtype cannot hold), else
   the compute dtype; a constant the compute dtype holds (``0.5``, a mask
   fill of ``-1e4``) takes its partner's dtype.
+- ``CONVERT`` (``"original"``): ``convert_element_type``, a cast the
+  program itself makes (``x.astype(jnp.float32)``), kept as it is: its
+  result has the dtype the program asked for. It takes no user rule.
 - A primitive with no record runs at the dtypes it was traced with
   (``"original"``), which is always correct (callbacks, custom calls,
   sorting, scatters, ...).
@@ -103,10 +106,13 @@ class Kind(enum.Enum):
     BOUNDED = "bounded"
     FLOAT32 = "float32"
     PROMOTE = "promote"
+    CONVERT = "convert"
 
     @property
     def rule(self) -> Rule:
         """The public rule of this kind."""
+        if self is Kind.CONVERT:
+            return "original"  # the program's own cast, kept as it is
         return "compute" if self is Kind.BOUNDED else self.value
 
 
@@ -144,6 +150,9 @@ _RESHARD = {**_MOVE, "foldable": False, "gathers": True}
 # prints them; the ones only some supported JAX versions have are
 # skipped where absent (tests/test_autocast_primitives.py lists them).
 _SPEC: tuple[tuple[str, Kind, dict[str, bool]], ...] = (
+    # The program's own casts: kept (its moves fact: a constant keeps its
+    # range through it; it keeps nothing for its derivative).
+    ("convert_element_type", Kind.CONVERT, _LINEAR_MOVE),
     # Matmuls and convolutions.
     ("dot_general", M, {"foldable": False, "float8": True, "called": True}),
     ("conv_general_dilated", M, {"foldable": False}),

@@ -40,10 +40,7 @@ from lossscale._autocast import _rules as R
 from lossscale._autocast._classes import is_float
 from lossscale._autocast._config import JaxprCache
 
-_NAMED = _compat.primitives_named(
-    ["convert_element_type", "dot_general", "scan", "while", "cond"]
-)
-_CONVERT = _NAMED["convert_element_type"]
+_NAMED = _compat.primitives_named(["dot_general", "scan", "while", "cond"])
 _DOT = _NAMED["dot_general"]
 
 
@@ -137,9 +134,12 @@ def _eqn_sources(eqn: Any, ins: list[Source]) -> list[Source]:
             for s, a in zip(ins, eqn.invars, strict=True)
             if is_float(a.aval.dtype)
         ]
-        exact = (eqn.primitive is _CONVERT and not float_ins) or (
+        # (A cast between floats rounds: not exact.)
+        convert = record is not None and record.kind is R.Kind.CONVERT
+        exact = (convert and not float_ins) or (
             record is not None
             and record.moves
+            and not convert
             and all(s.src is Src.INDEX for s in float_ins)
         )
         if not exact:
