@@ -228,19 +228,28 @@ def test_float32_reader_keeps_the_float32_gather():
 # --- Explicit axes + reshard -----------------------------------------------
 
 
-def test_explicit_reshards_16_bits_and_keeps_the_values():
-    mesh, step, args = _explicit_step(jnp.float16)
-    _, reference, _ = _explicit_step(jnp.float16, float32_gathers=True)
-    _, plain, _ = _explicit_step(None)
+def _explicit_run(make_step):
+    """``make_step``'s float16 program, its float32-gathers reference and
+    the plain float32 program under Explicit axes: the float16 step's
+    jaxpr, the three compiled modules' collectives, the results of the
+    step and of the reference, and the arguments."""
+    mesh, step, args = make_step(jnp.float16)
+    _, reference, _ = make_step(jnp.float16, float32_gathers=True)
+    _, plain, _ = make_step(None)
     with set_mesh(mesh):
         jaxpr = jax.make_jaxpr(step)(*args).jaxpr
-        table = _table(step.lower(*args).compile().as_text())
-        ref_table = _table(reference.lower(*args).compile().as_text())
-        plain_table = _table(plain.lower(*args).compile().as_text())
-        (value, grads), (ref_value, ref_grads) = (
-            step(*args),
-            reference(*args),
-        )
+        tables = [
+            _table(f.lower(*args).compile().as_text())
+            for f in (step, reference, plain)
+        ]
+        results = step(*args), reference(*args)
+    return jaxpr, tables, results, args
+
+
+def test_explicit_reshards_16_bits_and_keeps_the_values():
+    run = _explicit_run(_explicit_step)
+    jaxpr, (table, ref_table, plain_table), results, args = run
+    (value, grads), (ref_value, ref_grads) = results
     # The forward reshard moves float16; its transpose moves float32.
     dtypes = _results(jaxpr, "reshard")
     assert dtypes.count("float16") == 2 and dtypes.count("float32") >= 2
@@ -433,18 +442,9 @@ def test_gpt_blocks_shard_map_values_equal_the_float32_gathers(dtype):
 
 
 def test_gpt_blocks_explicit_reshards_16_bits_and_keeps_the_values():
-    mesh, step, args = _gpt_explicit_step(jnp.float16)
-    _, reference, _ = _gpt_explicit_step(jnp.float16, float32_gathers=True)
-    _, plain, _ = _gpt_explicit_step(None)
-    with set_mesh(mesh):
-        jaxpr = jax.make_jaxpr(step)(*args).jaxpr
-        table = _table(step.lower(*args).compile().as_text())
-        ref_table = _table(reference.lower(*args).compile().as_text())
-        plain_table = _table(plain.lower(*args).compile().as_text())
-        (value, grads), (ref_value, ref_grads) = (
-            step(*args),
-            reference(*args),
-        )
+    run = _explicit_run(_gpt_explicit_step)
+    jaxpr, (table, ref_table, plain_table), results, args = run
+    (value, grads), (ref_value, ref_grads) = results
     # The forward reshards (a layer's four kernels) move float16; their
     # transposes move float32.
     dtypes = _results(jaxpr, "reshard")
