@@ -362,13 +362,16 @@ def _unrounded(
     if var in jf.outputs:
         return True
     found = False
-    for eqn, _ in jf.readers.get(var, ()):
+    for eqn, i in jf.readers.get(var, ()):
         node = nodes[eqn]
         ef = jf.of[eqn]
         if node.mode in ROUNDING and ef.matmul:
             found = True
             continue
-        if node.mode is Mode.HIGHER and _rounded_inside(node, eqn, var):
+        # A higher-order equation that rounds it at every use inside (the
+        # layers' weights of a scan, gathered before it).
+        rounded = node.data.rounded
+        if node.mode is Mode.HIGHER and i < len(rounded) and rounded[i]:
             found = True
             continue
         exact = (ef.moves and node.mode is not Mode.CONVERT) or (
@@ -383,16 +386,6 @@ def _unrounded(
             return True
         found = True
     return not found
-
-
-def _rounded_inside(node: Node, eqn: Any, var: Any) -> bool:
-    """Whether a higher-order equation rounds its operand ``var`` at every
-    use inside (the layers' weights of a scan, gathered before it)."""
-    rounded = node.data.rounded
-    return any(
-        a is var and i < len(rounded) and rounded[i]
-        for i, a in enumerate(eqn.invars)
-    )
 
 
 def _finish(
