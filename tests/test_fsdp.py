@@ -530,3 +530,31 @@ def test_gpt_blocks_gathered_before_the_scan_gather_16_bits():
     ):
         assert grad.dtype == jnp.float32
         np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_a_weight_passed_twice_to_a_jit_keeps_its_float32_use():
+    # One operand of the jit is only multiplied (rounded), the other adds
+    # the weight to a float32 value: the gather must stay float32. (It was
+    # gathered rounded: the operand's rounded position was found among
+    # the jit's operands for both of its uses.)
+    @jax.jit
+    def inner(a, b, x):
+        return jnp.sum(x @ a) + jnp.sum(b * jnp.float32(1e-3))
+
+    def loss(params, x, y):
+        w = jax.lax.all_gather(params["w1"], AXIS, tiled=True)
+        return inner(w, w, x) + jnp.sum(y) * 0
+
+    step, args = _shard_map_step(jnp.bfloat16, model=lambda _: loss)
+    jaxpr = jax.make_jaxpr(step)(*args).jaxpr
+    assert set(_results(jaxpr, "all_gather")) == {"float32"}
+
+    # The negative control: used once, by the matmul only, it is gathered
+    # rounded.
+    def rounded_only(params, x, y):
+        w = jax.lax.all_gather(params["w1"], AXIS, tiled=True)
+        return inner(w, jnp.zeros_like(w), x) + jnp.sum(y) * 0
+
+    step, args = _shard_map_step(jnp.bfloat16, model=lambda _: rounded_only)
+    jaxpr = jax.make_jaxpr(step)(*args).jaxpr
+    assert "bfloat16" in _results(jaxpr, "all_gather")
