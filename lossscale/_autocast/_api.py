@@ -310,8 +310,8 @@ def _tables(
         if rule != "float8":
             continue
         record = R.RECORDS.get(key)
-        if record is None or not record.float8:
-            able = sorted(n for n, r in R.RECORDS.items() if r.float8)
+        if record is None or not record.quantizable:
+            able = sorted(n for n, r in R.RECORDS.items() if r.quantizable)
             raise ValueError(
                 f"rules[{key!r}]: only {', '.join(able)} can run in float8, "
                 f"got rules[{key!r}]='float8'."

@@ -73,7 +73,11 @@ class Config:
             if hit is not None:
                 return hit
         record = R.TABLE.get(primitive)
-        if self.float8 is not None and record is not None and record.float8:
+        if (
+            self.float8 is not None
+            and record is not None
+            and record.quantizable
+        ):
             return R.in_float8(record), None
         return record, None
 

@@ -218,6 +218,10 @@ def _why(eqn: Any, node: Any, place: _Place) -> str:
         return "a preferred_element_type wider than its operands"
     if place.rule is not None:
         return place.rule
-    if config.float8 is not None and record is not None and not record.float8:
+    if (
+        config.float8 is not None
+        and record is not None
+        and not record.quantizable
+    ):
         return f"{eqn.primitive.name} does not run in float8"
     return "the compute dtype"

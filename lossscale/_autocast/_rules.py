@@ -17,8 +17,8 @@ The kinds (:class:`Kind`), and the public rule each one is
   result (``preferred_element_type=float32`` over 16-bit operands) or for
   ``precision=HIGHEST``.
 - ``FLOAT8`` (``"float8"``): under a :class:`lossscale.Float8`
-  configuration, a matmul of its ``float8`` fact (``dot_general``) runs in
-  float8 where :meth:`lossscale.Float8.ineligible` allows (no batch
+  configuration, a matmul of the ``quantizable`` fact (``dot_general``)
+  runs in float8 where :meth:`lossscale.Float8.ineligible` allows (no batch
   dimensions, sizes multiples of 16), else as ``MATMUL``: its default
   there, and a rule a user may give it.
 - ``BOUNDED`` (``"compute"``): tanh, logistic, erf, sin, cos: their result
@@ -54,12 +54,13 @@ derivative is recomputed from its 16-bit operand, not stored in float32),
 :mod:`._islands`), ``keeps_nothing`` (its derivative reads none of its
 float operands: a linear map, a comparison, a rounding; a float32 island
 of such equations alone keeps nothing in float32 for the backward pass,
-so it is bound without a checkpoint), ``float8`` (it may run in
-float8) and ``called`` (it is bound as a ``jax.jit(inline=True)`` call
-of its own, as ``jnp.matmul`` binds it: under ``jax.grad``, JAX
-linearizes a call's jaxpr once, where it linearizes a bare primitive at
-every binding; the call is inlined where it is staged, so the program is
-the same: :func:`lossscale._compat.bind_as_call`).
+so it is bound without a checkpoint), ``quantizable`` (a matmul a
+:class:`lossscale.Float8` recipe may quantise to float8) and ``called``
+(it is bound as a ``jax.jit(inline=True)`` call of its own, as
+``jnp.matmul`` binds it: under ``jax.grad``, JAX linearizes a call's
+jaxpr once, where it linearizes a bare primitive at every binding; the
+call is inlined where it is staged, so the program is the same:
+:func:`lossscale._compat.bind_as_call`).
 
 Function rules (:data:`FUNCTION_RULES`, public as
 :data:`lossscale.AUTOCAST_FUNCTION_RULES`), from the name of a
@@ -129,7 +130,7 @@ class Record:
     foldable: bool = True
     island: bool = True
     keeps_nothing: bool = False
-    float8: bool = False
+    quantizable: bool = False
     called: bool = False
 
 
@@ -154,7 +155,11 @@ _SPEC: tuple[tuple[str, Kind, dict[str, bool]], ...] = (
     # range through it; it keeps nothing for its derivative).
     ("convert_element_type", Kind.CONVERT, _LINEAR_MOVE),
     # Matmuls and convolutions.
-    ("dot_general", M, {"foldable": False, "float8": True, "called": True}),
+    (
+        "dot_general",
+        M,
+        {"foldable": False, "quantizable": True, "called": True},
+    ),
     ("conv_general_dilated", M, {"foldable": False}),
     ("ragged_dot_general", M, {"foldable": False}),
     # Bounded results: rounding them cannot overflow, and it halves what
@@ -333,7 +338,8 @@ _KIND_OF_RULE: Mapping[str, Kind] = {
 
 
 def in_float8(record: Record) -> Record:
-    """A record of the ``float8`` fact, as a float8 configuration has it."""
+    """A record of the ``quantizable`` fact, as a float8 configuration has
+    it: of the ``FLOAT8`` kind."""
     return _FLOAT8_VARIANTS.setdefault(
         record, dataclasses.replace(record, kind=Kind.FLOAT8)
     )
@@ -348,8 +354,8 @@ def overridden(record: Record | None, rule: Rule) -> Record | None:
     if rule == "original":
         return None
     if rule == "float8":
-        # autocast accepts the rule only for a primitive of the float8 fact
-        # (lossscale/_autocast/_api.py's _tables).
+        # autocast accepts the rule only for a primitive of the quantizable
+        # fact (lossscale/_autocast/_api.py's _tables).
         return in_float8(cast(Record, record))
     if rule == "compute":
         kind = (
