@@ -155,12 +155,12 @@ def _refuse_captured(
         return
     if not _compat.is_tracer(leaf) or _compat.is_tracer(found.source):
         return
-    traced = [
+    adapting = [
         label
         for label, source in sources.items()
         if _compat.is_tracer(source) and _adapts(groups[label])
     ]
-    if traced:
+    if adapting:
         raise ValueError(
             f"the gradient at {path} was scaled by the loss scale of an "
             "opt_state captured from outside the traced step (a concrete "

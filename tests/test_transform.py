@@ -274,8 +274,8 @@ class TestInitAndInspect:
             assert float(found.loss_scale) == 64.0
             assert float(lossscale.metrics(state)["loss_scale"]) == 64.0
             # Works on traced states too.
-            traced = jax.jit(lambda s: lossscale.get_loss_scale(s).loss_scale)
-            assert float(traced(state)) == 64.0
+            jitted = jax.jit(lambda s: lossscale.get_loss_scale(s).loss_scale)
+            assert float(jitted(state)) == 64.0
 
     def test_get_loss_scale_none_or_many(self):
         params = {"a": jnp.ones(2), "b": jnp.ones(2)}

@@ -149,19 +149,19 @@ class Autocast:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _compat.tracing():
-            return self._traced(*args, **kwargs)
+            return self._uncompiled(*args, **kwargs)
         split = _split_static((args, kwargs))
         if split is None:
-            return self._traced(*args, **kwargs)
+            return self._uncompiled(*args, **kwargs)
         key, arrays = split
         run = self._compiled_for(key, arrays)
         if run is None:
             # It closes over device arrays (a model's weights): a program
             # compiled once would keep the values of its first call.
-            return self._traced(*args, **kwargs)
+            return self._uncompiled(*args, **kwargs)
         return run(*arrays)
 
-    def _traced(self, *args: Any, **kwargs: Any) -> Any:
+    def _uncompiled(self, *args: Any, **kwargs: Any) -> Any:
         return self._result(args, kwargs).value
 
     def _result(self, args: Any, kwargs: Any) -> _run.Result:
@@ -188,7 +188,7 @@ class Autocast:
             if key in self._compiled:
                 self._compiled.move_to_end(key)  # the most recently used
                 run = self._compiled[key]
-                return None if run is _TRACED else run
+                return None if run is _CLOSES_OVER else run
             if len(self._compiled) >= COMPILED_LIMIT:
                 self._compiled.popitem(last=False)  # the least recently used
             # Traced first (the call then reuses the trace), to learn which
@@ -199,14 +199,14 @@ class Autocast:
             fun = _with_static(self._result, key, found)
             run = jax.jit(fun)
             run.trace(*arrays)
-            (traced,) = found
-            if traced.donated:
-                run = jax.jit(fun, donate_argnums=tuple(sorted(traced.donated)))
+            (first,) = found
+            if first.donated:
+                run = jax.jit(fun, donate_argnums=tuple(sorted(first.donated)))
             # Traced on every call if it closes over device arrays, the
             # first too: its rounding is then the same on every call (the
             # compiled program's fusions round otherwise, a bfloat16 loss
             # 2e-3 apart).
-            self._compiled[key] = _TRACED if traced.captures else run
+            self._compiled[key] = _CLOSES_OVER if first.captures else run
             structure = (key[0], tuple(i for i, _ in key[2]))
             self._compiles[structure] += 1
             if (
@@ -215,7 +215,7 @@ class Autocast:
             ):
                 self._recompiles_warned = True
                 _warn_recompiles(self.__wrapped__, key)
-        return None if traced.captures else run
+        return None if first.captures else run
 
 
 def _warn_recompiles(fun: Callable[..., Any], key: Any) -> None:
@@ -258,7 +258,7 @@ class _Static:
 
 
 # A key's entry when the function closes over device arrays.
-_TRACED = object()
+_CLOSES_OVER = object()
 
 _ARRAY_TYPES: set[type] = {np.ndarray}
 _STRUCTURES: collections.OrderedDict[Any, bool] = collections.OrderedDict()
@@ -336,8 +336,8 @@ def _with_static(
         for i, array in zip(dynamic, arrays, strict=True):
             leaves[i] = array
         args, kwargs = jax.tree.unflatten(treedef, leaves)
-        traced = result(args, kwargs)
-        traces.append(traced)
-        return traced.value
+        out = result(args, kwargs)
+        traces.append(out)
+        return out.value
 
     return run

@@ -176,11 +176,11 @@ def emit(
             ):
                 inputs.append(atom)
     values = [read(a) for a in inputs]
-    traced = [i for i, x in enumerate(values) if _compat.is_tracer(x)]
+    dynamic = [i for i, x in enumerate(values) if _compat.is_tracer(x)]
 
     def body(*xs: Any) -> list[Any]:
         env = dict(zip(inputs, values, strict=True))
-        for i, x in zip(traced, xs, strict=True):
+        for i, x in zip(dynamic, xs, strict=True):
             env[inputs[i]] = x
         outs = []
         with cast_cache():
@@ -197,9 +197,9 @@ def emit(
                 outs.extend(results)
         return outs
 
-    args = [values[i] for i in traced]
+    args = [values[i] for i in dynamic]
     with jax.named_scope(SCOPE), _compat.source_context(run[0]):
-        key = _key(nodes, run, inputs, values, traced)
+        key = _key(nodes, run, inputs, values, dynamic)
         if key is not None:
             hit = cache.get(key)
             if hit is None:
@@ -215,11 +215,11 @@ def _key(
     run: Sequence[Any],
     inputs: Sequence[Any],
     values: Sequence[Any],
-    traced: Sequence[int],
+    dynamic: Sequence[int],
 ) -> Any:
     """What an island computes, from its structure and its operands'
     types (``None``: not hashable, or with concrete operands)."""
-    if len(traced) != len(values):
+    if len(dynamic) != len(values):
         return None
     position: dict[Any, tuple[Any, ...]] = {
         v: ("in", k) for k, v in enumerate(inputs)

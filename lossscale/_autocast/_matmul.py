@@ -253,7 +253,7 @@ def float8_ineligible(
     )
 
 
-GRADIENT_TRACED = (
+DERIVATIVE_INSIDE = (
     "lossscale.autocast with a Float8 recipe traced a derivative's matmul "
     "(autocast(jax.grad(f), Float8(...)), jax.jacfwd, or a jax.grad "
     "inside the function): it would run as a forward matmul, without the "
@@ -282,7 +282,7 @@ def float8_rule(a: KindArgs) -> tuple[Node, list[Info]]:
     ):
         # Whether it would run in float8 or not: its format would not be
         # the recipe's backward one either way.
-        raise TypeError(GRADIENT_TRACED)
+        raise TypeError(DERIVATIVE_INSIDE)
     reason = float8_ineligible(a.eqn, a.float8, a.role, entry)
     if reason is not None:
         node, outs = matmul_rule(a)

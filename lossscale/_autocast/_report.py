@@ -87,13 +87,13 @@ def matmuls(fun: Any, *args: Any, **kwargs: Any) -> list[Matmul]:
         )
     config = fun._config
     with _weights.naming():  # each linear layer's weight, by its path
-        traced = _run.trace(
+        planned = _run.trace(
             config, fun._out_dtype, fun.__wrapped__, args, kwargs
         )
     # A rule or filter that matches nothing warns here too: this is where
     # a rule is checked before training.
-    _run.warn_unused(config, traced.plan.used, traced.plan.functions, set())
-    return list(_walk(traced.plan, _Place(config)))
+    _run.warn_unused(config, planned.plan.used, planned.plan.functions, set())
+    return list(_walk(planned.plan, _Place(config)))
 
 
 class _Place(NamedTuple):

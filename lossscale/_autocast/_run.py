@@ -64,7 +64,7 @@ def input_class(x: Any, compute: np.dtype) -> Cls:
     return Cls.KEEP
 
 
-class Traced(NamedTuple):
+class Planned(NamedTuple):
     """A function traced and planned, not yet evaluated."""
 
     closed: Any  # the closed jaxpr of ``flat``
@@ -82,7 +82,7 @@ def trace(
     fun: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-) -> Traced:
+) -> Planned:
     """``fun`` traced at its arguments' dtypes, and planned."""
     leaves, treedef = jax.tree.flatten((args, kwargs))
     dynamic = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
@@ -143,7 +143,7 @@ def trace(
             [wide] * n,
             [wide] * n,
         )
-    return Traced(
+    return Planned(
         closed, plan, arrays, out_shape, holders, dynamic, record["changed"]
     )
 
