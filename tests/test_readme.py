@@ -46,10 +46,10 @@ def test_readme_python_blocks_run_in_order(capsys):
     out = capsys.readouterr().out
     assert "loss_scale" in out
     # The float8 block prints what its comment says it prints.
-    float8 = next(b for b in BLOCKS if "Float8" in b.code)
+    block = next(b for b in BLOCKS if "Float8" in b.code)
     promised = [
         line.removeprefix("# ")
-        for line in float8.code.splitlines()
+        for line in block.code.splitlines()
         if line.startswith("# float8_e4m3fn")
     ]
     assert len(promised) == 2

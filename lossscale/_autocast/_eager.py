@@ -176,7 +176,9 @@ class Autocast:
                 result.functions,
                 self._warned,
             )
-            _run.warn_no_float8(self._config, result.float8, self._warned)
+            _run.warn_no_float8(
+                self._config, result.float8_summary, self._warned
+            )
         return result
 
     def _compiled_for(

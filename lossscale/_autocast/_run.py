@@ -40,7 +40,7 @@ class Result(NamedTuple):
     captures: bool = False
     # Under a float8 recipe: how many float8 matmuls the program runs, and
     # why the others of the float8 kind stay 16-bit.
-    float8: tuple[int, tuple[str, ...]] = (0, ())
+    float8_summary: tuple[int, tuple[str, ...]] = (0, ())
 
 
 def is_array(x: Any) -> bool:
