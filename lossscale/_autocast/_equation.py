@@ -1,6 +1,6 @@
 """The first pass's rule for one equation: its node (the dtype it runs
-in) and its results' classes, from its operands' classes and its results'
-backward facts.
+in) and its results' classes, from its operands' classes and what the
+backward rounds learned of its results.
 
 A first-order equation goes by its record's kind (:data:`KINDS`, one
 function a kind of :mod:`._rules`; a matmul's are :mod:`._matmul`'s), an
@@ -110,8 +110,8 @@ def _float32(a: KindArgs) -> tuple[Node, list[Info]]:
 
 def _promote(a: KindArgs) -> tuple[Node, list[Info]]:
     # PyTorch's promotion, and float32 where only float32 reads. Moving or
-    # selecting 16-bit values is exact: no reason to widen it (the
-    # backward facts see through it instead: see ``uses``); nor a
+    # selecting 16-bit values is exact: no reason to widen it (what the
+    # backward rounds learn sees through it: ``_infer._use``); nor a
     # collective, which moves 16 bits between devices where 32 would cost
     # twice the bytes (a tensor-parallel all-reduce).
     exact = (a.record.moves or a.record.collective) and a.floats <= {
@@ -191,10 +191,10 @@ def forward(
     unrounded: list[bool],
 ) -> tuple[Node, list[Info]]:
     """An equation's node and its results' classes (with their values
-    where folded), from its operands' and its results' backward facts:
-    at its traced dtypes where a scope, a function rule or a float8
-    exclusion says so, by its handler where it is higher-order, else by
-    its record's kind."""
+    where folded), from its operands' classes and what was learned of its
+    results: at its traced dtypes where a scope, a function rule or a
+    float8 exclusion says so, by its handler where it is higher-order,
+    else by its record's kind."""
     config = planning.config
     compute = config.compute
     ef = planning.facts.of[eqn]

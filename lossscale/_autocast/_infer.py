@@ -18,14 +18,15 @@ higher-order primitives register into), are :mod:`._equation`'s.
 Forwards, each equation's rule picks its dtype from its operands'
 classes: the result is float32 where a float operand is float32
 (PyTorch's promotion), so a float32 value is never rounded to 16 bits
-except as a matmul's or convolution's operand. Backwards, three facts
-flow from readers to writers, each only ever turning from false to true
-(so the iteration ends):
+except as a matmul's or convolution's operand. Backwards, the rounds
+learn three things of each value (:class:`_Learned`), which flow from
+readers to writers, each only ever turning from false to true (so the
+iteration ends):
 
 - *only read in float32*: an elementwise equation whose every reader runs
   in float32 runs in float32 itself (``exp(x - max)`` subtracts in
-  float32), at no cost, since its result is not stored in 16 bits. The
-  fact passes through moves and selections (softmax's ``reduce_max``),
+  float32), at no cost, since its result is not stored in 16 bits. This
+  flag passes through moves and selections (softmax's ``reduce_max``),
   which stay 16-bit for a 16-bit operand (they are exact) but not through
   pooling; comparisons (``is_finite``) are not counted as readers;
 - *demanded*: a bounded function (``sigmoid``, ``tanh``) whose result
@@ -118,25 +119,26 @@ def infer(
     )
 
 
-class _Facts(NamedTuple):
-    """The backward facts of each variable (each only turns true)."""
+class _Learned(NamedTuple):
+    """What the backward rounds learned of each variable (each flag only
+    turns true)."""
 
     only32: dict[Any, bool]
     demanded: dict[Any, bool]
     unrounded: dict[Any, bool]
 
     def of(self, eqn: Any) -> tuple[list[bool], list[bool], list[bool]]:
-        """The facts of an equation's results, in the order ``forward``
-        takes them."""
+        """What was learned of an equation's results, in the order
+        ``forward`` takes them."""
         return (
             [self.only32.get(v, False) for v in eqn.outvars],
             [self.demanded.get(v, False) for v in eqn.outvars],
             [self.unrounded.get(v, False) for v in eqn.outvars],
         )
 
-    def merged(self, new: _Facts) -> _Facts:
-        """These facts or-ed with ``new``'s."""
-        return _Facts(
+    def merged(self, new: _Learned) -> _Learned:
+        """These flags or-ed with ``new``'s."""
+        return _Learned(
             *(
                 {v: f or old.get(v, False) for v, f in fresh.items()}
                 for old, fresh in zip(self, new, strict=True)
@@ -177,7 +179,7 @@ def _plan(
                 in_demanded,
                 rounds.rounded(),
             )
-    raise RuntimeError(  # pragma: no cover - each fact changes once
+    raise RuntimeError(  # pragma: no cover - each flag changes once
         "lossscale.autocast: the inference pass did not converge."
     )
 
@@ -188,11 +190,12 @@ def _same(a: Info, b: Info | None) -> bool:
 
 class _Rounds:
     """The fixed point of one plan, round by round. Each round goes
-    forwards (every equation's node from its operands' classes and its
-    results' facts) and backwards (what each variable's readers make of
-    it); after the first, a round revisits only what changed: the
-    equations whose operands' classes or results' facts changed, and the
-    variables whose readers' nodes or results' facts did."""
+    forwards (every equation's node from its operands' classes and what
+    was learned of its results) and backwards (what each variable's
+    readers make of it); after the first, a round revisits only what
+    changed: the equations whose operands' classes or results' learned
+    flags changed, and the variables whose readers' nodes or results'
+    learned flags did."""
 
     def __init__(
         self,
@@ -214,10 +217,10 @@ class _Rounds:
             (v, Info(c)) for v, c in zip(jaxpr.invars, ins, strict=True)
         )
         self.nodes: dict[Any, Node] = {}
-        self.known = _Facts({}, {}, {})  # the facts, merged over rounds
-        self.new = _Facts({}, {}, {})  # the last backward round's
+        self.known = _Learned({}, {}, {})  # merged over rounds
+        self.new = _Learned({}, {}, {})  # the last backward round's
         self.first = True
-        self.stale: set[Any] = set()  # variables whose facts just changed
+        self.stale: set[Any] = set()  # variables whose flags just changed
         self.changed_nodes: set[Any] = set()
         self.changed_new: set[Any] = set()
 
@@ -268,7 +271,7 @@ class _Rounds:
         )
 
     def backward(self) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
-        """This round's facts, and per input of the jaxpr, whether it is
+        """This round's flags, and per input of the jaxpr, whether it is
         read in float32 and whether it reaches a float32 operation."""
         new = self.new
         self.changed_new = set()
@@ -278,7 +281,7 @@ class _Rounds:
                     continue
                 u = self._uses(var)
                 reads = [r for r, _ in u if r is not None]
-                facts = (
+                learned = (
                     bool(reads) and all(reads),
                     any(d for _, d in u),
                     _unrounded(self.jf, self.nodes, new, var),
@@ -288,10 +291,10 @@ class _Rounds:
                     new.demanded.get(var),
                     new.unrounded.get(var),
                 )
-                if facts != old:
+                if learned != old:
                     self.changed_new.add(var)
                     new.only32[var], new.demanded[var], new.unrounded[var] = (
-                        facts
+                        learned
                     )
         used = [self._uses(var) for var in self.jaxpr.invars]
         return (
@@ -307,7 +310,7 @@ class _Rounds:
         )
 
     def merge(self) -> bool:
-        """Or this round's facts into the known ones; whether any changed
+        """Or this round's flags into the known ones; whether any changed
         (if none did, the plan is found)."""
         known, new = self.known, self.new
         self.stale = set()
@@ -323,7 +326,7 @@ class _Rounds:
 
 
 def _use(
-    jf: JaxprFacts, nodes: dict[Any, Node], new: _Facts, eqn: Any, i: int
+    jf: JaxprFacts, nodes: dict[Any, Node], new: _Learned, eqn: Any, i: int
 ) -> tuple[bool | None, bool]:
     """(reads its operand ``i`` in float32, makes it demanded); None for a
     comparison (``is_finite(m)``, ``h > 0``), which reads it at whatever
@@ -354,7 +357,7 @@ def _use(
 
 
 def _unrounded(
-    jf: JaxprFacts, nodes: dict[Any, Node], new: _Facts, var: Any
+    jf: JaxprFacts, nodes: dict[Any, Node], new: _Learned, var: Any
 ) -> bool:
     """Whether some use of ``var`` does not round it to the compute dtype
     anyway (every use is a matmul's operand, through exact operations: a

@@ -258,8 +258,9 @@ def traced(
 
 class KindArgs(NamedTuple):
     """What a kind's rule decides from: the equation, its operands'
-    classes, which results are floats, and the backward facts of its
-    results."""
+    classes, which results are floats, what the backward rounds learned
+    of its results (``only32``, ``demanded``, ``unrounded``) and its
+    facts."""
 
     eqn: Any
     record: R.Record
