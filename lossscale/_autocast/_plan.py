@@ -43,7 +43,7 @@ class Mode(enum.Enum):
     FLOAT32 = "float32"  # to float32
     TRACED = "traced"  # to the dtypes it was traced with
     CONVERT = "convert"  # an explicit cast of the program: kept
-    HIGHER = "higher"  # a handler of ._higher emits it from ``data``
+    HIGHER = "higher"  # from ``data``, by its handler (._higher, ._control)
 
 
 # The modes in which a matmul rounds its operands (to the compute dtype,
@@ -74,8 +74,10 @@ class Node(NamedTuple):
 
     ``outs``: the classes of its results, which the emitted values are
     stored in. ``reads32``: per operand, whether the equation reads it in
-    float32. ``data``: a higher-order equation's plans (:mod:`._higher`);
-    a first-order one's has none. ``remat``: its derivative is recomputed
+    float32. ``data``: a higher-order equation's plans, made by its
+    handler (:mod:`._higher` for calls, :mod:`._control` for ``scan``,
+    ``while`` and ``cond``; the table is :mod:`._handlers`'s); a
+    first-order one's has none. ``remat``: its derivative is recomputed
     from its operands. ``role``: a float8 matmul's (which operand is its
     weight). ``reason``: why a matmul of the float8 kind is kept 16-bit.
     ``narrow``: a move of a float32 value that every reader rounds

@@ -119,7 +119,8 @@ class Kind(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Record:
-    """One primitive's rule: its kind and its facts."""
+    """One primitive's record: its kind (the rule it follows) and its
+    facts."""
 
     kind: Kind
     moves: bool = False
