@@ -50,10 +50,10 @@ def test_tensor_parallel_all_reduce_into_a_float32_residual_moves_float16(
     collective, name
 ):
     """Megatron's row-parallel block, ``x + psum(h @ w)`` with a float32
-    residual stream: the all-reduce moves float32 (twice the bytes),
+    residual stream: the all-reduce moved float32 (twice the bytes),
     because its only reader (the residual add) reads float32 and "only
-    read in float32" widens it (_infer.py:435-436: ``exact`` exempts
-    RANGE_PRESERVING only, not collectives)."""
+    read in float32" widened it: ``exact`` exempted moves only, not
+    collectives. ``exact`` in ``_equation._promote`` now exempts both."""
 
     def body(w, x):
         return x + collective(x @ w)
@@ -72,9 +72,10 @@ def test_conv_with_bias_relu_max_pool_uses_less_memory_than_float32():
     """Issue 28's target: a conv + max-pool stack <= 1.1x hand-cast and
     below float32. With flax's default ``use_bias=True`` the bias add
     promotes every conv output to float32 (PyTorch fuses the bias into the
-    convolution), relu (a custom_jvp, so not an island member, and a
-    one-equation run anyway: _infer.py:268, 285) and max pooling run in
-    float32, and select_and_scatter_add keeps the float32 operand:
+    convolution), relu (then a custom_jvp, not an island member, and a
+    one-equation run anyway: see ``_infer._member`` and
+    ``_islands.find``) and max pooling run in float32, and
+    select_and_scatter_add keeps the float32 operand:
     49.37 MB against 49.15 float32 and 42.82 hand-cast (without biases:
     42.82, as hand-cast)."""
     from flax import linen as nn
@@ -113,11 +114,13 @@ def test_scaled_scores_into_softmax_stay_finite(reduce):
     """Contract point 1: overflow float32 does not have only inside a
     matmul. ``logsumexp(h * 1e3)`` with |h| ~ 100 (float32: finite, about
     1e5) is inf/NaN: 1e3 fits float16, so the product is float16
-    (_classes.py ``fits`` checks the constant, not the product;
-    _infer.py:436-438), and "only read in float32" cannot widen it since
-    the max subtraction's ``reduce_max`` reads it in float16 (``exact``,
-    _infer.py:435). jax.nn.softmax and logsumexp are inlined on this JAX,
-    so the FUNCTION_RULES entries do not fire either."""
+    (``_classes.fits`` checks the constant, not the product, and
+    ``_equation._promote`` keeps the product 16-bit), and "only read in
+    float32" could not widen it since the max subtraction's
+    ``reduce_max`` read it in float16 (``exact`` in
+    ``_equation._promote``; ``_infer._use`` now sees through it).
+    jax.nn.softmax and logsumexp are inlined on this JAX, so the
+    FUNCTION_RULES entries do not fire either."""
     w, x = normal(0, (16, 16), 0.3), normal(1, (8, 16), 30.0)
 
     def loss(w, x):
@@ -138,9 +141,11 @@ def test_scaled_scores_into_softmax_stay_finite(reduce):
 
 def test_eager_grad_of_an_autocast_function_does_not_grow_memory():
     """``jax.grad(autocast(f))`` called eagerly traces on every call (as
-    plain JAX does); the Ctx caches (plans, facts, emitted: _infer.py:52-58,
-    148; _higher.py ``_memo``) keep every trace's jaxprs, and with them
-    JAX's compiled executables, for the autocast function's life: 7.2 MB
+    plain JAX does); the caches of plans, facts and emitted jaxprs (then
+    on the autocast function; now ``_infer._PLANS``, ``_plan._FACTS``
+    and ``_higher._EMITTED``, each a ``_config.JaxprCache``) kept every
+    trace's jaxprs, and with them JAX's compiled executables, for the
+    autocast function's life: 7.2 MB
     of Python memory over 50 calls of a 2-layer toy (plain: 0.1 MB); a
     256-wide version grows RSS by 7.4 MB per call. 20 calls are measured
     (tracemalloc makes each slow): before the fix (at f05079e^) they grew
