@@ -761,3 +761,69 @@ def test_gpu_check_counters():
     hlo = grad.lower(lhs[None], rhs).compile().as_text()
     if jax.default_backend() == "cpu":
         assert fp8_check.count_fp8_gemms(hlo) == 0
+
+
+# --- a weight quantised before it moved (issue 41, item 1) -----------------
+
+
+@pytest.mark.parametrize(
+    ("weight", "dims", "shapes"),
+    [
+        (1, (((1,), (0,)), ((), ())), ((32, 48), (48, 16))),  # x @ w
+        (0, (((1,), (1,)), ((), ())), ((16, 48), (32, 48))),  # w @ x.T
+    ],
+)
+@pytest.mark.parametrize("pow2", [False, True])
+def test_a_weight_quantised_before_its_move_gives_the_same_numbers(
+    weight, dims, shapes, pow2
+):
+    # quantized_move with the identity move and the local amax quantises
+    # as dot_general does: the product and both gradients are bitwise those
+    # of dot_general quantising the float32 weight itself, and the weight's
+    # gradient flows through the moved weight.
+    config = lossscale.Float8(power_of_two_scales=pow2)
+    keys = jax.random.split(jax.random.key(3), 2)
+    a = jax.random.normal(keys[0], shapes[0])
+    b = jax.random.normal(keys[1], shapes[1]) * 3.0
+    operands = (a, b)
+
+    def plain(a, b):
+        y = _fp8.dot_general(a, b, dims, config, weight=weight)
+        return jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+    def moved(a, b):
+        w = (a, b)[weight]
+        w_moved, copy = _fp8.quantized_move(w, lambda v: v, config, lambda m: m)
+        args = (w_moved, b) if weight == 0 else (a, w_moved)
+        y = _fp8.dot_general(
+            *args, dims, config, weight=weight, quantized_weight=copy
+        )
+        return jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+    for f, g in ((plain, moved), (jax.jit(plain), jax.jit(moved))):
+        value, grads = jax.value_and_grad(f, (0, 1))(*operands)
+        value2, grads2 = jax.value_and_grad(g, (0, 1))(*operands)
+        assert value == value2
+        for x, y in zip(grads, grads2, strict=True):
+            assert y.dtype == jnp.float32
+            np.testing.assert_array_equal(x, y)
+    # The copy is what the matmul reads, not its weight operand: the copy
+    # of -w, given with w, negates the product.
+    w = operands[weight]
+    _, copy = _fp8.quantized_move(-w, lambda v: v, config, lambda m: m)
+    y = _fp8.dot_general(*operands, dims, config, weight=weight)
+    y_copy = _fp8.dot_general(
+        *operands, dims, config, weight=weight, quantized_weight=copy
+    )
+    assert jnp.any(y != 0)
+    np.testing.assert_array_equal(y_copy, -y)
+
+
+def test_a_quantized_weight_needs_a_recipe_that_casts_it_once():
+    x, w = jnp.ones((16, 16)), jnp.ones((16, 16))
+    copy = (w.astype(jnp.float8_e4m3fn), jnp.float32(1))
+    dims = (((1,), (0,)), ((), ()))
+    with pytest.raises(ValueError, match="quantized_weight"):
+        _fp8.dot_general(
+            x, w, dims, lossscale.Float8("rowwise"), quantized_weight=copy
+        )

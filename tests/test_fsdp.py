@@ -169,7 +169,10 @@ def test_float32_program_gathers_float32():
 
 
 @pytest.mark.parametrize(
-    "dtype", [jnp.bfloat16, jnp.float16, lossscale.Float8()], ids=str
+    "dtype",
+    # A row-wise recipe gathers 16 bits (test_rowwise_float8_gathers_16_bits).
+    [jnp.bfloat16, jnp.float16, lossscale.Float8("rowwise")],
+    ids=str,
 )
 def test_shard_map_gathers_16_bits_and_reduce_scatters_float32(dtype):
     step, args = _shard_map_step(dtype)
@@ -272,13 +275,149 @@ def test_explicit_reshards_16_bits_and_keeps_the_values():
         np.testing.assert_allclose(grads[k], ref_grads[k], rtol=1e-5, atol=1e-7)
 
 
-def test_float8_gathered_in_16_bits_is_as_close_to_float32():
-    # Under Float8() the weight is gathered in the compute dtype and
-    # quantised after (its amax the 16-bit values'), so the values are not
-    # the float32 gathers' bit for bit: float8's quanta flip. Its distance
-    # to the float32 program is that of the float32 gathers' program.
-    step, args = _shard_map_step(lossscale.Float8())
-    reference, _ = _shard_map_step(lossscale.Float8(), float32_gathers=True)
+# --- float8 -----------------------------------------------------------------
+#
+# Under a recipe that casts the weight once per tensor (tensorwise), a
+# weight that only float8 matmuls read is quantised before its gather,
+# with the scale of the gathered weight (a pmax of the shards' amax), and
+# gathered in float8: the matmuls take that copy, so the values are those
+# of the float32 gathers' program bit for bit. XLA's CPU backend widens a
+# float8 collective to float16 when it compiles (float-normalization), so
+# the compiled modules are read with that pass off: what the partitioned
+# program moves.
+
+F8_UNWIDENED = {"xla_disable_hlo_passes": "float-normalization-f8e4m3fn"}
+
+
+def _float8_values_equal(results):
+    (value, grads), (ref_value, ref_grads) = results
+    assert value == ref_value
+    for grad, ref_grad in zip(
+        jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True
+    ):
+        assert grad.dtype == jnp.float32
+        np.testing.assert_array_equal(grad, ref_grad)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_float8_shard_map_gathers_float8_and_keeps_the_values(pow2):
+    recipe = lossscale.Float8(power_of_two_scales=pow2)
+    step, args = _shard_map_step(recipe)
+    reference, _ = _shard_map_step(recipe, float32_gathers=True)
+    jaxpr = jax.make_jaxpr(step)(*args).jaxpr
+    assert _results(jaxpr, "all_gather") == ["float8_e4m3fn"] * 2
+    assert set(_results(jaxpr, "reduce_scatter")) == {"float32"}
+    # One scalar pmax a weight: the gathered weight's amax.
+    assert len(_results(jaxpr, "pmax")) == 2
+    lowered = step.lower(*args)
+    for table in (
+        _table(lowered.as_text(dialect="hlo")),
+        _table(lowered.compile(F8_UNWIDENED).as_text()),
+    ):
+        assert _dtypes(table, "all-gather") == {"f8e4m3fn"}
+        assert _bytes(table, "all-gather") == F32_GATHER // 4
+        assert _dtypes(table, "reduce-scatter") == {"f32"}
+        # The amax pmaxes, 4 bytes a weight, with the loss's pmean.
+        assert _dtypes(table, "all-reduce") == {"f32"}
+    # The reference gathers float32 (else it would prove nothing).
+    ref_table = _table(reference.lower(*args).as_text(dialect="hlo"))
+    assert _dtypes(ref_table, "all-gather") == {"f32"}
+    _float8_values_equal((step(*args), reference(*args)))
+
+
+def test_float8_explicit_reshards_float8_and_keeps_the_values():
+    mesh, step, args = _explicit_step(lossscale.Float8())
+    _, reference, _ = _explicit_step(lossscale.Float8(), float32_gathers=True)
+    with set_mesh(mesh):
+        dtypes = _results(jax.make_jaxpr(step)(*args).jaxpr, "reshard")
+        table = _table(step.lower(*args).compile(F8_UNWIDENED).as_text())
+        ref_table = _table(reference.lower(*args).compile().as_text())
+        results = step(*args), reference(*args)
+    # The forward reshards move float8; their transposes float32.
+    assert dtypes.count("float8_e4m3fn") == 2 and "bfloat16" not in dtypes
+    assert _dtypes(ref_table, "all-gather") == {"f32"}
+    assert _dtypes(table, "all-gather") == {"f8e4m3fn"}
+    assert _bytes(table, "all-gather") == F32_GATHER // 4
+    # The weight gradients' partial sums over the sharded batch are
+    # float32 (the float8 matmul's weight gradient is in its weight's
+    # dtype), as are the amaxes' maxima.
+    assert _dtypes(table, "all-reduce") == {"f32"}
+    _float8_values_equal(results)
+    grads, params = results[0][1], args[0]
+    for k in grads:
+        assert grads[k].sharding.is_equivalent_to(params[k].sharding, 2)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "why"),
+    [
+        ("tensorwise", "float8; its weight gathered in float8_e4m3fn"),
+        (
+            "rowwise",
+            "float8; its weight gathered in bfloat16: the recipe scales the "
+            "weight by rows, and quantises it again for the input gradient",
+        ),
+    ],
+)
+def test_matmuls_say_how_the_weight_was_gathered(recipe, why):
+    mesh = jax.sharding.Mesh(jax.devices()[:4], (AXIS,))
+    loss = lossscale.autocast(
+        _mlp(_all_gather(False)), lossscale.Float8(recipe)
+    )
+    found = []
+
+    def body(params, x, y):
+        found.extend(lossscale.matmuls(loss, params, x, y))
+        return jnp.zeros(())
+
+    jax.make_jaxpr(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(BATCH, BATCH, BATCH), out_specs=P()
+        )
+    )(*_args())
+    assert [(m.dtype, m.why) for m in found] == [("float8_e4m3fn", why)] * 2
+
+
+def test_float8_weight_read_elsewhere_is_gathered_in_16_bits():
+    # w1 is also sliced for a matmul too small for float8 (K=8, kept in
+    # the compute dtype): not every reader takes the float8 copy, so the
+    # gather is bfloat16 (rounded, as every reader rounds it); w2, read by
+    # its float8 matmul only, is gathered in float8 (the control).
+    def model(gather):
+        def loss(params, x, y):
+            w1, w2 = gather(params["w1"]), gather(params["w2"])
+            h = jax.nn.relu(x @ w1) + jnp.mean(x[:, :8] @ w1[:8])
+            return jnp.mean(jnp.square(h @ w2 - y))
+
+        return loss
+
+    step, args = _shard_map_step(lossscale.Float8(), model=model)
+    jaxpr = jax.make_jaxpr(step)(*args).jaxpr
+    assert _results(jaxpr, "all_gather") == ["bfloat16", "float8_e4m3fn"]
+
+
+def test_float8_weight_gathered_before_a_scan_is_gathered_in_16_bits():
+    # The scan is the gathers' reader, not the float8 matmuls inside it:
+    # the kernels are gathered rounded, in bfloat16 (float8 gathers are
+    # made where the gathered weight is the matmuls' operand).
+    step, args = _shard_map_step(
+        lossscale.Float8(),
+        model=_gathered_first(False),
+        args=_gpt_args,
+        specs=_gpt_specs(),
+    )
+    jaxpr = jax.make_jaxpr(step)(*args).jaxpr
+    assert set(_results(jaxpr, "all_gather")) == {"bfloat16"}
+
+
+def test_rowwise_float8_gathered_in_16_bits_is_as_close_to_float32():
+    # Under Float8("rowwise") the weight is gathered in the compute dtype
+    # and quantised after (its amax the 16-bit values'), so the values are
+    # not the float32 gathers' bit for bit: float8's quanta flip. Its
+    # distance to the float32 program is that of the float32 gathers'.
+    recipe = lossscale.Float8("rowwise")
+    step, args = _shard_map_step(recipe)
+    reference, _ = _shard_map_step(recipe, float32_gathers=True)
     plain, _ = _shard_map_step(None)
     (_, grads), (_, ref_grads), (_, exact) = (
         step(*args),
@@ -476,6 +615,37 @@ def test_gpt_blocks_explicit_reshards_16_bits_and_keeps_the_values():
         assert grad.dtype == jnp.float32
         assert grad.sharding.is_equivalent_to(param.sharding, param.ndim)
         np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_gpt_blocks_float8_gathers_float8_and_keeps_the_values():
+    # Each layer's four kernels gathered in float8 in the scan's body, at a
+    # quarter of float32's bytes (and one scalar pmax each), under
+    # shard_map and under Explicit axes; the values are the float32
+    # gathers' bit for bit; every gradient collective is float32.
+    step, args = _gpt_shard_map_step(lossscale.Float8())
+    reference, _ = _gpt_shard_map_step(lossscale.Float8(), float32_gathers=True)
+    jaxpr = jax.make_jaxpr(step)(*args).jaxpr
+    assert set(_results(jaxpr, "all_gather")) == {"float8_e4m3fn"}
+    table = _table(step.lower(*args).as_text(dialect="hlo"))
+    assert _dtypes(table, "all-gather") == {"f8e4m3fn"}
+    assert _bytes(table, "all-gather") == _gpt_f32_gather() // 4
+    assert _dtypes(table, "reduce-scatter") == {"f32"}
+    assert _dtypes(table, "all-reduce") == {"f32"}
+    ref_table = _table(reference.lower(*args).as_text(dialect="hlo"))
+    assert _dtypes(ref_table, "all-gather") == {"f32"}
+    _float8_values_equal((step(*args), reference(*args)))
+
+    mesh, step, args = _gpt_explicit_step(lossscale.Float8())
+    _, reference, _ = _gpt_explicit_step(
+        lossscale.Float8(), float32_gathers=True
+    )
+    with set_mesh(mesh):
+        table = _table(step.lower(*args).compile(F8_UNWIDENED).as_text())
+        results = step(*args), reference(*args)
+    assert _dtypes(table, "all-gather") == {"f8e4m3fn"}
+    assert _bytes(table, "all-gather") == _gpt_f32_gather() // 4
+    assert _dtypes(table, "all-reduce") == {"f32"}
+    _float8_values_equal(results)
 
 
 def _gathered_first(float32):

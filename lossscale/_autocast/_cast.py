@@ -96,11 +96,35 @@ _CASTS: contextvars.ContextVar[dict[Any, Any] | None] = contextvars.ContextVar(
 )
 
 
+# The float8 copies of the weights moved quantised in this evaluation
+# (``._fp8.quantized_move``), by the moved weight: its float8 matmuls,
+# which read it in the same jaxpr, take the copy in place of quantising.
+_QUANTISED: contextvars.ContextVar[dict[int, Any] | None] = (
+    contextvars.ContextVar("lossscale_autocast_quantised", default=None)
+)
+
+
 @contextlib.contextmanager
 def cast_cache() -> Iterator[None]:
     """Opens a cast cache for one evaluation."""
     token = _CASTS.set({})
+    quantised = _QUANTISED.set({})
     try:
         yield
     finally:
+        _QUANTISED.reset(quantised)
         _CASTS.reset(token)
+
+
+def remember_quantised(x: Any, copy: tuple[Any, Any]) -> None:
+    """Records ``copy``, the float8 copy and scale of the moved ``x``."""
+    cache = _QUANTISED.get()
+    if cache is not None:
+        cache[id(x)] = (x, copy)  # x kept, so that its id is not reused
+
+
+def quantised_copy(x: Any) -> tuple[Any, Any] | None:
+    """The float8 copy and scale recorded for ``x`` in this evaluation."""
+    cache = _QUANTISED.get()
+    hit = None if cache is None else cache.get(id(x))
+    return None if hit is None or hit[0] is not x else hit[1]

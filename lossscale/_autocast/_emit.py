@@ -17,8 +17,13 @@ from typing import Any
 import jax
 
 from lossscale import _compat, _interpret
-from lossscale._autocast import _islands, _matmul
-from lossscale._autocast._cast import cast, cast_cache, store
+from lossscale._autocast import _fp8, _islands, _matmul
+from lossscale._autocast._cast import (
+    cast,
+    cast_cache,
+    remember_quantised,
+    store,
+)
 from lossscale._autocast._classes import F32_DTYPE, Cls, class_dtype, is_float
 from lossscale._autocast._config import Call
 from lossscale._autocast._plan import Mode, Node, Plan
@@ -99,6 +104,8 @@ def _equation(call: Call, eqn: Any, node: Node, invals: list[Any]) -> list[Any]:
         assert node.role is not None and node.role.weight is not None
         out = _matmul.emit_float8(call, eqn, invals, node.role.weight)
         return store(out, node.outs, compute)
+    if node.quantised:
+        return quantised_move(call, eqn, invals[0])
     if node.narrow:
         return store(narrow_move(eqn, invals[0], compute), node.outs, compute)
     dtype = {Mode.COMPUTE: compute, Mode.FLOAT32: F32_DTYPE}.get(node.mode)
@@ -149,6 +156,27 @@ def narrow_move(eqn: Any, x: Any, compute: Any) -> list[Any]:
         return move(value.astype(compute)), move(tangent).astype(compute)
 
     return [moved(x)]
+
+
+def quantised_move(call: Call, eqn: Any, x: Any) -> list[Any]:
+    """Binds a move of the float32 ``x``, a weight that only float8
+    matmuls read, on its float8 copy (``._fp8.quantized_move``): the
+    copy's scale is that of the moved value (an all-gather's is the
+    ``pmax`` of the shards' over the axes it gathers), so the matmuls
+    quantise as they would the weight moved in float32, at a quarter of
+    the bytes; its derivative is moved in float32."""
+
+    def move(value: Any) -> Any:
+        return _compat.bind_equation(eqn, [value])[0]
+
+    def global_max(amax: Any) -> Any:
+        if not TABLE[eqn.primitive].collective:
+            return amax  # a resharding moves the whole array
+        return jax.lax.pmax(amax, eqn.params["axis_name"])
+
+    moved, copy = _fp8.quantized_move(x, move, call.config.float8, global_max)
+    remember_quantised(moved, copy)
+    return [moved]
 
 
 def bind(eqn: Any, node: Node, invals: Sequence[Any], dtype: Any) -> list[Any]:

@@ -27,7 +27,7 @@ from lossscale import _compat
 from ._float8 import Float8
 from ._recipes import _MAX, EPS, F32, MAX_SCALE, Cast
 
-__all__ = ["dot_general", "round_down_to_power_of_two"]
+__all__ = ["dot_general", "quantized_move", "round_down_to_power_of_two"]
 
 
 Axes = tuple[int, ...]
@@ -43,6 +43,7 @@ def dot_general(
     *,
     out_sharding: Any = None,
     weight: int = 1,
+    quantized_weight: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """``lax.dot_general(lhs, rhs, dimension_numbers)`` in float8.
 
@@ -67,6 +68,10 @@ def dot_general(
         ``weight @ x``) or 1 (rhs: ``x @ w``, flax's ``Dense``); only
         ``"rowwise_with_gw_hp"`` reads it, whose weight gradient is
         16-bit.
+      quantized_weight: the weight's float8 copy and scale, made before
+        it was moved (:func:`quantized_move`), which the matmul takes in
+        place of quantising the weight; only where the recipe casts the
+        weight once, per tensor (:attr:`Recipe.weight_cast_once`).
 
     Returns:
       The product, in ``config.compute_dtype``; its gradients with respect
@@ -107,8 +112,20 @@ def dot_general(
     varying = _compat.vma(lhs) | _compat.vma(rhs)
     dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
     lhs, rhs = _compat.vary_over(lhs, varying), _compat.vary_over(rhs, varying)
+    if quantized_weight is not None:
+        if not config.row.weight_cast_once:
+            raise ValueError(
+                "quantized_weight needs a recipe that casts the weight "
+                f"once, per tensor; got config={config!r}."
+            )
+        quantized_weight = cast(
+            tuple[jax.Array, jax.Array],
+            tuple(_compat.vary_over(v, varying) for v in quantized_weight),
+        )
+    pre = (None, quantized_weight)
     if weight == 1 or config.row.symmetric:
-        return _fp8_dot(lhs, rhs, dims, config, out_sharding, dtypes)
+        pre = pre if weight == 1 else pre[::-1]
+        return _fp8_dot(lhs, rhs, pre, dims, config, out_sharding, dtypes)
     # The rules below take the rhs for the weight: it is put there, and
     # the product's axes (batch, weight free, input free) back in lhs's
     # order.
@@ -124,7 +141,7 @@ def dot_general(
     order = tuple(int(a) for a in np.argsort(back))
     sharding = _compat.permuted_sharding(out_sharding, order)
     swapped: Dims = ((rc, lc), (rb, lb))
-    out = _fp8_dot(rhs, lhs, swapped, config, sharding, dtypes[::-1])
+    out = _fp8_dot(rhs, lhs, pre, swapped, config, sharding, dtypes[::-1])
     return lax.transpose(cast(jax.Array, out), back)
 
 
@@ -166,6 +183,12 @@ def _scale(
     amax = lax.reduce_max(lax.abs(x), reduced)
     if axes is not None:
         amax = lax.expand_dims(amax, reduced)
+    return _scale_of(amax, dtype, pow2)
+
+
+def _scale_of(amax: jax.Array, dtype: np.dtype, pow2: bool) -> jax.Array:
+    """The float32 scale(s) for ``dtype`` of values whose largest
+    magnitude is ``amax``."""
     # lax.min and lax.max keep a NaN (a NaN amax), and an inf amax gives 0.
     # An operand of size 0 has the amax -inf, floored to EPS: its scale is
     # finite (its product zeros, as an empty sum is 0).
@@ -207,6 +230,52 @@ def _quantize(
     x = _as_float32(x)
     scale = _scale(x, dtype, axes, pow2)
     return lax.convert_element_type(lax.mul(x, scale), dtype), scale
+
+
+def quantized_move(
+    x: jax.Array, move: Any, config: Float8, global_max: Any
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """``move(x)`` for float8 matmuls' weight: quantised, then moved.
+
+    ``x`` is a float32 weight that only matmuls read whose recipe casts
+    the weight once, per tensor (:attr:`Recipe.weight_cast_once`), and
+    ``move`` a move that adds no value (an all-gather, a resharding).
+    Its scale is that of the moved value (``global_max`` of ``x``'s
+    largest magnitude: a ``pmax`` over the axes an all-gather gathers),
+    so the float8 values moved are those the matmuls would make from the
+    moved float32 weight, at a quarter of its bytes.
+
+    Returns:
+      The moved weight, float32, its values the float8 ones times the
+      inverse scale, through which the matmuls' weight gradients flow:
+      its tangent is moved in float32, so the backward pass moves (sums)
+      the gradient in float32 (a reduce-scatter). And the moved float8
+      copy with its scale, which :func:`dot_general` takes
+      (``quantized_weight``) instead of quantising the moved weight again.
+    """
+    dtype = config.row.weight.dtype
+    if dtype is None or not config.row.weight_cast_once:
+        raise ValueError(
+            "quantized_move needs a recipe that casts the weight once, per "
+            f"tensor; got config={config!r}."
+        )
+    x32 = _as_float32(lax.stop_gradient(x))
+    amax = global_max(lax.reduce_max(lax.abs(x32), tuple(range(x32.ndim))))
+    scale = _scale_of(amax, dtype, bool(config.power_of_two_scales))
+    q = move(lax.convert_element_type(lax.mul(x32, scale), dtype))
+
+    @jax.custom_jvp
+    def moved(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+        del x
+        return lax.mul(lax.convert_element_type(q, F32), 1 / scale)
+
+    @moved.defjvp
+    def _(primals: Any, tangents: Any) -> Any:
+        # The float8 copy and its scale carry no derivative (as the
+        # matmuls' own quantisation does not): x's tangent is moved.
+        return moved(*primals), move(tangents[0])
+
+    return moved(x, q, scale), (q, scale)
 
 
 def _inverse_in_output(
@@ -284,17 +353,19 @@ def _cast(
 
 
 def _forward(
-    lhs: jax.Array, rhs: jax.Array, dims: Dims, config: Float8,
+    lhs: jax.Array, rhs: jax.Array, pre: Any, dims: Dims, config: Float8,
     out_sharding: Any,
 ) -> tuple[jax.Array, tuple[Any, Any]]:  # fmt: skip
     """The product, and what the backward pass keeps of each operand: its
     float8 copy and scale where its backward cast is its forward one per
-    tensor, else the operand itself."""
+    tensor, else the operand itself. ``pre``: per operand, its float8
+    copy and scale made before it was moved, or None."""
     row = config.row
     (lc, rc), _ = dims
+    pre_lhs, pre_rhs = pre
     # float8 both (_check_recipe): each has its scale(s).
-    q_lhs, s_lhs = _cast(lhs, row.input, lc, config)
-    q_rhs, s_rhs = _cast(rhs, row.weight, rc, config)
+    q_lhs, s_lhs = pre_lhs or _cast(lhs, row.input, lc, config)
+    q_rhs, s_rhs = pre_rhs or _cast(rhs, row.weight, rc, config)
     s_lhs, s_rhs = cast(jax.Array, s_lhs), cast(jax.Array, s_rhs)
     # One equation, for jax.checkpoint's policies (_compat.bind_as_dot):
     # a dots-saveable policy saves its compute-dtype result, not the
@@ -351,22 +422,24 @@ def _differentiated_once_jvp(primals: Any, tangents: Any) -> Any:
 
 # The static arguments: the dimension numbers, the config, the forward's
 # out_sharding, and the operands' dtypes (the float8 residuals lose them).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+# ``pre``: per operand, its float8 copy and scale, made before it was
+# moved (quantized_move), or None; they carry no derivative.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _fp8_dot(
-    lhs: jax.Array, rhs: jax.Array, dims: Dims, config: Float8,
+    lhs: jax.Array, rhs: jax.Array, pre: Any, dims: Dims, config: Float8,
     out_sharding: Any, dtypes: tuple[np.dtype, np.dtype],
 ) -> jax.Array:  # fmt: skip
     del dtypes
-    return _forward(lhs, rhs, dims, config, out_sharding)[0]
+    return _forward(lhs, rhs, pre, dims, config, out_sharding)[0]
 
 
 def _fp8_dot_fwd(
-    lhs: jax.Array, rhs: jax.Array, dims: Dims, config: Float8,
+    lhs: jax.Array, rhs: jax.Array, pre: Any, dims: Dims, config: Float8,
     out_sharding: Any, dtypes: tuple[np.dtype, np.dtype],
 ) -> tuple[jax.Array, tuple[Any, Any]]:  # fmt: skip
     del dtypes
     lhs, rhs = _differentiated_once((lhs, rhs))
-    return _forward(lhs, rhs, dims, config, out_sharding)
+    return _forward(lhs, rhs, pre, dims, config, out_sharding)
 
 
 def _transpose(
@@ -427,9 +500,12 @@ def _cotangent_product(
 def _fp8_dot_bwd(
     dims: Dims, config: Float8, out_sharding: Any,
     dtypes: tuple[np.dtype, np.dtype], saved: Any, g: jax.Array,
-) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+) -> tuple[jax.Array, jax.Array, None]:  # fmt: skip
     del out_sharding  # the cotangents take their operands' shardings
-    return _cotangents(_differentiated_once(g), saved, dims, config, dtypes)
+    dlhs, drhs = _cotangents(
+        _differentiated_once(g), saved, dims, config, dtypes
+    )
+    return dlhs, drhs, None
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))

@@ -22,8 +22,10 @@ import numpy as np
 
 from lossscale import _compat
 from lossscale._autocast import _fp8, _weights
+from lossscale._autocast._cast import quantised_copy
 from lossscale._autocast._classes import Cls, Info, is_float, of_dtype
 from lossscale._autocast._plan import (
+    JaxprFacts,
     KindArgs,
     Mode,
     Node,
@@ -311,6 +313,61 @@ def float8_summary(plan: Plan) -> tuple[int, list[str]]:
     return count, reasons
 
 
+def quantised_gathers(
+    jf: JaxprFacts, nodes: dict[Any, Node], float8: Any
+) -> dict[Any, str | None]:
+    """Marks ``quantised`` each narrow move (a float32 weight gathered in
+    the compute dtype) that can move float8 instead: its record says its
+    result's largest magnitude is known before it moves, and its every
+    reader is a float8 matmul taking it as its weight, under a recipe that
+    casts the weight once per tensor (a row-wise recipe quantises the
+    weight again along other axes for the input gradient, so it is
+    gathered in 16 bits: :func:`gathered_why`). Its result is then the
+    float32 weight that the matmuls' gradients flow through. Returns, per
+    narrow move, why it moves 16 bits (None: it moves float8)."""
+    whys: dict[Any, str | None] = {}
+    if float8 is None:
+        return whys
+    for eqn in jf.eqns:
+        node = nodes[eqn]
+        if node.narrow:
+            whys[eqn] = why = gathered_why(jf, nodes, eqn, float8)
+            if why is None:
+                nodes[eqn] = node._replace(quantised=True, outs=(Cls.F32,))
+    return whys
+
+
+def gathered_why(
+    jf: JaxprFacts, nodes: Any, eqn: Any, float8: Any
+) -> str | None:
+    """Why the narrow move ``eqn`` moves its float32 weight in the compute
+    dtype, not in float8 (None: it can move float8)."""
+    record = jf.of[eqn].record
+    name = eqn.primitive.name
+    row = float8.row
+    if not row.weight_cast_once:
+        if row.weight.rowwise:
+            return (
+                "the recipe scales the weight by rows, and quantises it "
+                "again for the input gradient"
+            )
+        return "the recipe casts the weight again for the input gradient"
+    if record is None or not record.gathers_float8:
+        return f"a {name} moves a part of the weight, not a whole one"
+    if eqn.params.get("axis_index_groups") is not None:
+        return f"a {name} with axis_index_groups"
+    (out,) = eqn.outvars
+    readers = jf.readers.get(out, ())
+    if out in jf.outputs or not all(
+        nodes[r].mode is Mode.FLOAT8
+        and nodes[r].role is not None
+        and nodes[r].role.weight == i
+        for r, i in readers
+    ):
+        return "it is also read where it is not a float8 matmul's weight"
+    return None
+
+
 def emit_float8(call: Any, eqn: Any, invals: list[Any], weight: int) -> list:
     """A matmul in float8: its operands are quantised from the dtypes they
     are stored in (a float32 weight directly, not through 16 bits);
@@ -325,6 +382,8 @@ def emit_float8(call: Any, eqn: Any, invals: list[Any], weight: int) -> list:
                 call.config.float8,
                 out_sharding=eqn.params.get("out_sharding"),
                 weight=weight,
+                # Moved in float8 (quantised_gathers): its copy is taken.
+                quantized_weight=quantised_copy(invals[weight]),
             )
         ]
 

@@ -78,6 +78,18 @@ class Recipe(NamedTuple):
     power_of_two_scales: bool = False
 
     @property
+    def weight_cast_once(self) -> bool:
+        """Whether one float8 copy of the weight serves both GEMMs that
+        read it (the forward and the input gradient's): the same cast,
+        per tensor. Then a weight gathered for its matmuls may be
+        quantised before it is gathered, and gathered in float8."""
+        return (
+            self.weight.dtype is not None
+            and not self.weight.rowwise
+            and self.weight == self.weight_for_grad_input
+        )
+
+    @property
     def symmetric(self) -> bool:
         """Whether swapping the input and the weight gives the same
         numbers (then which operand is the weight does not matter)."""

@@ -111,6 +111,15 @@ def _join(*parts: str) -> str:
 
 def _walk(plan: Any, place: _Place) -> Iterator[Matmul]:
     for eqn, node in plan.nodes.items():
+        if node.mode is _plan.Mode.FLOAT8:
+            yield _listed(
+                eqn,
+                _dtype(eqn, node, place.config),
+                _why_float8(plan, eqn, node, place.config),
+                place,
+                _weight(plan.roles.get(eqn)),
+            )
+            continue
         if node.mode is _plan.Mode.HIGHER:
             inner = _inside(eqn, place)
             for sub in node.data.plans:
@@ -199,10 +208,24 @@ def _why_traced(eqn: Any, config: Any) -> str:
     return "at its traced dtypes"
 
 
+def _why_float8(plan: Any, eqn: Any, node: Any, config: Any) -> str:
+    """ "float8", and how its weight was gathered where it was: in float8,
+    or in the compute dtype, and why."""
+    weight = eqn.invars[node.role.weight]
+    for move, made in plan.nodes.items():
+        if not (made.narrow and weight in move.outvars):
+            continue
+        why = plan.gathers.get(move)
+        if made.quantised or why is None:
+            dtype = config.float8.row.weight.dtype
+            return f"float8; its weight gathered in {np.dtype(dtype)}"
+        compute = np.dtype(config.compute)
+        return f"float8; its weight gathered in {compute}: {why}"
+    return "float8"
+
+
 def _why(eqn: Any, node: Any, place: _Place) -> str:
     config = place.config
-    if node.mode is _plan.Mode.FLOAT8:
-        return "float8"
     if node.reason is not None:
         return node.reason  # a float8 matmul that could not be
     if node.mode is _plan.Mode.TRACED:

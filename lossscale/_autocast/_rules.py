@@ -47,7 +47,12 @@ its range through it), ``pooling`` (max or min pooling, whose backward
 pass keeps its operand), ``collective``, ``gathers`` (it moves values
 between devices or shardings and adds none: an all-gather, a resharding;
 a float32 value that every reader rounds is rounded first and moved in
-the compute dtype, its derivative moved back in float32), ``remat`` (its
+the compute dtype, its derivative moved back in float32),
+``gathers_float8`` (a move whose result's largest magnitude is known
+before it moves: a resharding moves a whole array, and an all-gather's is
+the ``pmax`` of its operand's over the axes it gathers; a float32 weight
+that only per-tensor float8 matmuls read is quantised first and moved in
+float8, with the scale its gathered copy would have had), ``remat`` (its
 derivative is recomputed from its 16-bit operand, not stored in float32),
 ``foldable`` (autocast may compute it at trace time on small constants),
 ``island`` (it may be recomputed inside a float32 island:
@@ -127,6 +132,7 @@ class Record:
     pooling: bool = False
     collective: bool = False
     gathers: bool = False
+    gathers_float8: bool = False
     remat: bool = False
     foldable: bool = True
     island: bool = True
@@ -146,7 +152,10 @@ _COLLECTIVE = {"collective": True, "foldable": False}
 # a float32 value that every reader rounds (an FSDP weight before its
 # matmul) is gathered in the compute dtype, at half the bytes.
 _GATHER = {**_COLLECTIVE, "gathers": True}
-_RESHARD = {**_MOVE, "foldable": False, "gathers": True}
+_RESHARD = {**_MOVE, "foldable": False, "gathers": True, "gathers_float8": True}
+# An all-gather's float8 scale is its gathered value's: the pmax, over the
+# axes it gathers, of its operand's largest magnitude.
+_ALL_GATHER = {**_GATHER, "gathers_float8": True}
 
 # One line a primitive: (name, kind, facts). Names as jax.make_jaxpr
 # prints them; the ones only some supported JAX versions have are
@@ -279,8 +288,8 @@ _SPEC: tuple[tuple[str, Kind, dict[str, bool]], ...] = (
     ("psum", P, _COLLECTIVE),
     ("psum_invariant", P, _COLLECTIVE),
     ("pvary", P, _COLLECTIVE),
-    ("all_gather", P, _GATHER),
-    ("all_gather_invariant", P, _GATHER),
+    ("all_gather", P, _ALL_GATHER),
+    ("all_gather_invariant", P, _ALL_GATHER),
     ("ppermute", P, _GATHER),
     ("all_to_all", P, _GATHER),
     ("ragged_all_to_all", P, _COLLECTIVE),
