@@ -99,8 +99,8 @@ _CASTS: contextvars.ContextVar[dict[Any, Any] | None] = contextvars.ContextVar(
 # The float8 copies of the weights moved quantised in this evaluation
 # (``._fp8.quantized_move``), by the moved weight: its float8 matmuls,
 # which read it in the same jaxpr, take the copy in place of quantising.
-_QUANTISED: contextvars.ContextVar[dict[int, Any] | None] = (
-    contextvars.ContextVar("lossscale_autocast_quantised", default=None)
+_QUANTIZED: contextvars.ContextVar[dict[int, Any] | None] = (
+    contextvars.ContextVar("lossscale_autocast_quantized", default=None)
 )
 
 
@@ -108,23 +108,23 @@ _QUANTISED: contextvars.ContextVar[dict[int, Any] | None] = (
 def cast_cache() -> Iterator[None]:
     """Opens a cast cache for one evaluation."""
     token = _CASTS.set({})
-    quantised = _QUANTISED.set({})
+    quantised = _QUANTIZED.set({})
     try:
         yield
     finally:
-        _QUANTISED.reset(quantised)
+        _QUANTIZED.reset(quantised)
         _CASTS.reset(token)
 
 
-def remember_quantised(x: Any, copy: tuple[Any, Any]) -> None:
+def remember_quantized(x: Any, copy: tuple[Any, Any]) -> None:
     """Records ``copy``, the float8 copy and scale of the moved ``x``."""
-    cache = _QUANTISED.get()
+    cache = _QUANTIZED.get()
     if cache is not None:
         cache[id(x)] = (x, copy)  # x kept, so that its id is not reused
 
 
-def quantised_copy(x: Any) -> tuple[Any, Any] | None:
+def quantized_copy(x: Any) -> tuple[Any, Any] | None:
     """The float8 copy and scale recorded for ``x`` in this evaluation."""
-    cache = _QUANTISED.get()
+    cache = _QUANTIZED.get()
     hit = None if cache is None else cache.get(id(x))
     return None if hit is None or hit[0] is not x else hit[1]

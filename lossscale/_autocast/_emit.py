@@ -21,7 +21,7 @@ from lossscale._autocast import _fp8, _islands, _matmul
 from lossscale._autocast._cast import (
     cast,
     cast_cache,
-    remember_quantised,
+    remember_quantized,
     store,
 )
 from lossscale._autocast._classes import F32_DTYPE, Cls, class_dtype, is_float
@@ -104,8 +104,8 @@ def _equation(call: Call, eqn: Any, node: Node, invals: list[Any]) -> list[Any]:
         assert node.role is not None and node.role.weight is not None
         out = _matmul.emit_float8(call, eqn, invals, node.role.weight)
         return store(out, node.outs, compute)
-    if node.quantised:
-        return quantised_move(call, eqn, invals[0])
+    if node.quantized:
+        return float8_move(call, eqn, invals[0])
     if node.narrow:
         return store(narrow_move(eqn, invals[0], compute), node.outs, compute)
     dtype = {Mode.COMPUTE: compute, Mode.FLOAT32: F32_DTYPE}.get(node.mode)
@@ -158,7 +158,7 @@ def narrow_move(eqn: Any, x: Any, compute: Any) -> list[Any]:
     return [moved(x)]
 
 
-def quantised_move(call: Call, eqn: Any, x: Any) -> list[Any]:
+def float8_move(call: Call, eqn: Any, x: Any) -> list[Any]:
     """Binds a move of the float32 ``x``, a weight that only float8
     matmuls read, on its float8 copy (``._fp8.quantized_move``): the
     copy's scale is that of the moved value (an all-gather's is the
@@ -175,7 +175,7 @@ def quantised_move(call: Call, eqn: Any, x: Any) -> list[Any]:
         return jax.lax.pmax(amax, eqn.params["axis_name"])
 
     moved, copy = _fp8.quantized_move(x, move, call.config.float8, global_max)
-    remember_quantised(moved, copy)
+    remember_quantized(moved, copy)
     return [moved]
 
 

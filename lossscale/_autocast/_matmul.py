@@ -22,7 +22,7 @@ import numpy as np
 
 from lossscale import _compat
 from lossscale._autocast import _fp8, _weights
-from lossscale._autocast._cast import quantised_copy
+from lossscale._autocast._cast import quantized_copy
 from lossscale._autocast._classes import Cls, Info, is_float, of_dtype
 from lossscale._autocast._plan import (
     JaxprFacts,
@@ -313,10 +313,10 @@ def float8_summary(plan: Plan) -> tuple[int, list[str]]:
     return count, reasons
 
 
-def quantised_gathers(
+def quantized_gathers(
     jf: JaxprFacts, nodes: dict[Any, Node], float8: Any
 ) -> dict[Any, str | None]:
-    """Marks ``quantised`` each narrow move (a float32 weight gathered in
+    """Marks ``quantized`` each narrow move (a float32 weight gathered in
     the compute dtype) that can move float8 instead: its record says its
     result's largest magnitude is known before it moves, and its every
     reader is a float8 matmul taking it as its weight, under a recipe that
@@ -333,7 +333,7 @@ def quantised_gathers(
         if node.narrow:
             whys[eqn] = why = gathered_why(jf, nodes, eqn, float8)
             if why is None:
-                nodes[eqn] = node._replace(quantised=True, outs=(Cls.F32,))
+                nodes[eqn] = node._replace(quantized=True, outs=(Cls.F32,))
     return whys
 
 
@@ -382,8 +382,8 @@ def emit_float8(call: Any, eqn: Any, invals: list[Any], weight: int) -> list:
                 call.config.float8,
                 out_sharding=eqn.params.get("out_sharding"),
                 weight=weight,
-                # Moved in float8 (quantised_gathers): its copy is taken.
-                quantized_weight=quantised_copy(invals[weight]),
+                # Moved in float8 (quantized_gathers): its copy is taken.
+                quantized_weight=quantized_copy(invals[weight]),
             )
         ]
 

@@ -83,7 +83,7 @@ class Node(NamedTuple):
     ``narrow``: a move of a float32 value that every reader rounds
     (``_rules.Record.gathers``): rounded first, then moved (an FSDP
     all-gather in 16 bits), its derivative moved back in float32.
-    ``quantised``: a narrow move whose every reader is a float8 matmul
+    ``quantized``: a narrow move whose every reader is a float8 matmul
     taking it as its weight, cast once per tensor: quantised first, then
     moved in float8 (its result float32, ``._fp8.quantized_move``).
     """
@@ -97,7 +97,7 @@ class Node(NamedTuple):
     role: _weights.Role | None = None
     reason: str | None = None
     narrow: bool = False
-    quantised: bool = False
+    quantized: bool = False
 
 
 class Plan(NamedTuple):
@@ -122,7 +122,7 @@ class Plan(NamedTuple):
     rounded: tuple[bool, ...] = ()
     # Under a float8 recipe, each move of a float32 weight rounded before
     # it moves (``Node.narrow``): why it moves in the compute dtype, or
-    # None where it moves float8 (``Node.quantised``).
+    # None where it moves float8 (``Node.quantized``).
     gathers: Mapping[Any, str | None] = {}
 
 

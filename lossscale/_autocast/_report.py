@@ -216,7 +216,7 @@ def _why_float8(plan: Any, eqn: Any, node: Any, config: Any) -> str:
         if not (made.narrow and weight in move.outvars):
             continue
         why = plan.gathers.get(move)
-        if made.quantised or why is None:
+        if made.quantized or why is None:
             dtype = config.float8.row.weight.dtype
             return f"float8; its weight gathered in {np.dtype(dtype)}"
         compute = np.dtype(config.compute)
