@@ -22,7 +22,10 @@ class Matmul(NamedTuple):
         dtype: the dtype its operands are cast to: ``"float8_e4m3fn"``,
             the 16-bit compute dtype, or ``"float32"`` (at the dtypes the
             program traced).
-        why: why that dtype, in words.
+        why: why that dtype, in words. A float8 matmul whose weight an
+            FSDP gather moves says how it was gathered: ``"float8; its
+            weight gathered in float8_e4m3fn"``, or in the compute dtype
+            with the reason.
         where: the named scopes (and jitted functions) it was traced in.
         line: the line of the user's code that made it (``file:line``).
         weight: under a :class:`lossscale.Float8` recipe, the path of the
