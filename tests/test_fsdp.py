@@ -348,6 +348,47 @@ def test_float8_explicit_reshards_float8_and_keeps_the_values():
         assert grads[k].sharding.is_equivalent_to(params[k].sharding, 2)
 
 
+def test_float8_gather_between_a_float32_islands_equations():
+    # w2's gather is traced between the equations of a float32 island
+    # (the bias add and GELU, then ``a * 2``). It was bound inside the
+    # island's checkpoint, whose output hid the gathered weight's float8
+    # copy from its matmul, which quantised the gathered weight again:
+    # w1's gradient then differed from the reference in 128 elements.
+    def model(gather):
+        def loss(params, x, y):
+            w1 = gather(params["w1"])
+            a = jax.nn.gelu(x @ w1 + params["b"])
+            w2 = gather(params["w2"])
+            return jnp.mean(jnp.square((a * 2.0) @ w2 - y))
+
+        return loss
+
+    def args():
+        keys = jax.random.split(jax.random.key(0), 5)
+        params = {
+            "w1": jax.random.normal(keys[0], (WIDTH, WIDTH)) / WIDTH**0.5,
+            "w2": jax.random.normal(keys[1], (WIDTH, WIDTH)) * 0.37,
+            "b": jax.random.normal(keys[2], (WIDTH,)) * 0.1,
+        }
+        x = jax.random.normal(keys[3], (64, WIDTH))
+        return params, x, jax.random.normal(keys[4], (64, WIDTH))
+
+    specs = {"w1": BATCH, "w2": BATCH, "b": P()}
+    step, arguments = _shard_map_step(
+        lossscale.Float8(), model=model, args=args, specs=specs
+    )
+    reference, _ = _shard_map_step(
+        lossscale.Float8(),
+        float32_gathers=True,
+        model=model,
+        args=args,
+        specs=specs,
+    )
+    jaxpr = jax.make_jaxpr(step)(*arguments).jaxpr
+    assert _results(jaxpr, "all_gather") == ["float8_e4m3fn"] * 2
+    _float8_values_equal((step(*arguments), reference(*arguments)))
+
+
 @pytest.mark.parametrize(
     ("recipe", "why"),
     [
