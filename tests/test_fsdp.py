@@ -401,10 +401,29 @@ def test_float8_gather_between_a_float32_islands_equations():
     ],
 )
 def test_matmuls_say_how_the_weight_was_gathered(recipe, why):
-    mesh = jax.sharding.Mesh(jax.devices()[:4], (AXIS,))
-    loss = lossscale.autocast(
-        _mlp(_all_gather(False)), lossscale.Float8(recipe)
+    found = _listed_in_shard_map(_mlp(_all_gather(False)), recipe)
+    assert [(m.dtype, m.why) for m in found] == [("float8_e4m3fn", why)] * 2
+
+
+def test_matmuls_say_why_a_transposed_weight_is_gathered_in_16_bits():
+    # x @ w.T: the gather's reader is the transpose, so it is gathered in
+    # bfloat16 (rounded), and the matmul's entry says so (it said only
+    # "float8": the gather was looked for as the matmul's operand itself).
+    def loss(params, x, y):
+        w = jax.lax.all_gather(params["w2"], AXIS, tiled=True)
+        return jnp.mean(jnp.square(x @ w.T - y[:, :1]))
+
+    (found,) = _listed_in_shard_map(loss, "tensorwise")
+    assert found.why == (
+        "float8; its weight gathered in bfloat16: it is read by transpose, "
+        "not only as float8 matmuls' weight"
     )
+
+
+def _listed_in_shard_map(model, recipe):
+    """``lossscale.matmuls`` of the autocast ``model`` under shard_map."""
+    mesh = jax.sharding.Mesh(jax.devices()[:4], (AXIS,))
+    loss = lossscale.autocast(model, lossscale.Float8(recipe))
     found = []
 
     def body(params, x, y):
@@ -416,7 +435,7 @@ def test_matmuls_say_how_the_weight_was_gathered(recipe, why):
             body, mesh=mesh, in_specs=(BATCH, BATCH, BATCH), out_specs=P()
         )
     )(*_args())
-    assert [(m.dtype, m.why) for m in found] == [("float8_e4m3fn", why)] * 2
+    return found
 
 
 def test_float8_weight_read_elsewhere_is_gathered_in_16_bits():

@@ -357,14 +357,24 @@ def gathered_why(
     if eqn.params.get("axis_index_groups") is not None:
         return f"a {name} with axis_index_groups"
     (out,) = eqn.outvars
-    readers = jf.readers.get(out, ())
-    if out in jf.outputs or not all(
-        nodes[r].mode is Mode.FLOAT8
-        and nodes[r].role is not None
-        and nodes[r].role.weight == i
-        for r, i in readers
-    ):
-        return "it is also read where it is not a float8 matmul's weight"
+    others = sorted(
+        {
+            r.primitive.name
+            for r, i in jf.readers.get(out, ())
+            if not (
+                nodes[r].mode is Mode.FLOAT8
+                and nodes[r].role is not None
+                and nodes[r].role.weight == i
+            )
+        }
+    )
+    if out in jf.outputs:
+        others.append("the function's output")
+    if others:
+        return (
+            f"it is read by {', '.join(others)}, not only as float8 "
+            "matmuls' weight"
+        )
     return None
 
 

@@ -113,12 +113,13 @@ def _join(*parts: str) -> str:
 
 
 def _walk(plan: Any, place: _Place) -> Iterator[Matmul]:
+    made_by = {v: e for e in plan.nodes for v in e.outvars}
     for eqn, node in plan.nodes.items():
         if node.mode is _plan.Mode.FLOAT8:
             yield _listed(
                 eqn,
                 _dtype(eqn, node, place.config),
-                _why_float8(plan, eqn, node, place.config),
+                _why_float8(plan, made_by, eqn, node, place.config),
                 place,
                 _weight(plan.roles.get(eqn)),
             )
@@ -211,19 +212,28 @@ def _why_traced(eqn: Any, config: Any) -> str:
     return "at its traced dtypes"
 
 
-def _why_float8(plan: Any, eqn: Any, node: Any, config: Any) -> str:
-    """ "float8", and how its weight was gathered where it was: in float8,
-    or in the compute dtype, and why."""
-    weight = eqn.invars[node.role.weight]
-    for move, made in plan.nodes.items():
-        if not (made.narrow and weight in move.outvars):
-            continue
-        why = plan.gathers.get(move)
-        if made.quantized or why is None:
-            dtype = config.float8.row.weight.dtype
-            return f"float8; its weight gathered in {np.dtype(dtype)}"
-        compute = np.dtype(config.compute)
-        return f"float8; its weight gathered in {compute}: {why}"
+def _why_float8(
+    plan: Any, made_by: dict[Any, Any], eqn: Any, node: Any, config: Any
+) -> str:
+    """Why a float8 matmul's dtype: "float8", and how its weight was
+    gathered where an FSDP gather moved it (``made_by``: each variable's
+    equation in ``plan``)."""
+    # Back from the weight operand, through moves (a transpose, a
+    # reshape), to the gather that moved it, if one did.
+    var = eqn.invars[node.role.weight]
+    while var in made_by:
+        move = made_by[var]
+        made = plan.nodes[move]
+        if made.narrow:
+            why = plan.gathers.get(move)
+            if made.quantized or why is None:
+                dtype = config.float8.row.weight.dtype
+                return f"float8; its weight gathered in {np.dtype(dtype)}"
+            compute = np.dtype(config.compute)
+            return f"float8; its weight gathered in {compute}: {why}"
+        if not (_plan.eqn_facts(move).moves and len(move.invars) == 1):
+            break
+        var = move.invars[0]
     return "float8"
 
 
