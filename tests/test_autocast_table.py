@@ -26,6 +26,7 @@ PACKAGE = pathlib.Path(lossscale.__file__).parent / "_autocast"
 LAYERS = [
     ["_classes", "_rules", "_recipes"],
     ["_cast", "_config", "_float8", "_fold"],
+    ["_scaling"],
     ["_fp8", "_islands", "_weights"],
     ["_plan"],
     ["_matmul"],

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 import lossscale
-from lossscale._autocast import _fp8
+from lossscale._autocast import _fp8, _scaling
 from tests.helpers import normal
 
 pytestmark = pytest.mark.standard_promotion
@@ -75,7 +75,12 @@ def test_without_the_kept_rounding_jitted_gradients_differ(monkeypatch):
     params, x = inputs()
     grad = jax.grad(lossscale.autocast(tanh_net, lossscale.Float8()))
     before = worst(grad(params, x), jax.jit(grad)(params, x))
-    monkeypatch.setattr(_fp8, "_as_float32", lambda v: v.astype(jnp.float32))
+
+    def widened(v):
+        return v.astype(jnp.float32)
+
+    monkeypatch.setattr(_scaling, "as_float32", widened)
+    monkeypatch.setattr(_fp8, "as_float32", widened)
     jax.clear_caches()  # the quantisation is a jit: traced anew
     try:
         after = worst(grad(params, x), jax.jit(grad)(params, x))

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 import lossscale
 from lossscale import _compat
-from lossscale._autocast import _fp8, _recipes
+from lossscale._autocast import _fp8, _recipes, _scaling
 from tests.helpers import equations, explicit_mesh, set_mesh
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -333,7 +333,7 @@ def test_round_down_to_power_of_two_is_exact():
     below = np.nextafter(powers, np.float32(0))
     special = np.array([0.0, np.inf, np.nan, 3.0, 448.0], np.float32)
     got = np.asarray(
-        _fp8.round_down_to_power_of_two(
+        _scaling.round_down_to_power_of_two(
             jnp.asarray(np.concatenate([powers, below, special]))
         )
     )
@@ -608,7 +608,9 @@ def test_quantisation_fused_into_a_dot_rounds_once():
     x = jnp.array([448.0] + [247.94] * 7, F32)
 
     def square(x):
-        q, scale = _fp8._quantize(x, np.dtype(jnp.float8_e4m3fn), None, False)
+        q, scale = _scaling.quantize(
+            x, np.dtype(jnp.float8_e4m3fn), None, False
+        )
         return jax.lax.dot(q, q, preferred_element_type=F32), scale
 
     product, scale = jax.jit(square)(x)
@@ -793,7 +795,9 @@ def test_a_weight_quantised_before_its_move_gives_the_same_numbers(
 
     def moved(a, b):
         w = (a, b)[weight]
-        w_moved, copy = _fp8.quantized_move(w, lambda v: v, config, lambda m: m)
+        w_moved, copy = _scaling.quantized_move(
+            w, lambda v: v, config, lambda m: m
+        )
         args = (w_moved, b) if weight == 0 else (a, w_moved)
         y = _fp8.dot_general(
             *args, dims, config, weight=weight, quantized_weight=copy
@@ -810,7 +814,7 @@ def test_a_weight_quantised_before_its_move_gives_the_same_numbers(
     # The copy is what the matmul reads, not its weight operand: the copy
     # of -w, given with w, negates the product.
     w = operands[weight]
-    _, copy = _fp8.quantized_move(-w, lambda v: v, config, lambda m: m)
+    _, copy = _scaling.quantized_move(-w, lambda v: v, config, lambda m: m)
     y = _fp8.dot_general(*operands, dims, config, weight=weight)
     y_copy = _fp8.dot_general(
         *operands, dims, config, weight=weight, quantized_weight=copy

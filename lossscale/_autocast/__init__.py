@@ -29,7 +29,9 @@ listed before it; ``tests/test_autocast_table.py`` checks it):
    configuration and the caches; :mod:`._float8`: the :class:`Float8`
    configuration (eligibility, filters); :mod:`._fold`: constant folding
    of small known values at trace time.
-3. :mod:`._fp8`: the float8 matmul kernel; :mod:`._islands`: float32
+3. :mod:`._scaling`: current scaling (a tensor's float8 scale, its
+   quantisation, a weight quantised before it is gathered);
+   :mod:`._fp8`: the float8 matmul kernel; :mod:`._islands`: float32
    islands; :mod:`._weights`: which operand of a matmul is its weight,
    from the dataflow (float8 recipes).
 4. :mod:`._plan`: what a plan is made of (modes, nodes, an equation's

@@ -97,7 +97,7 @@ _CASTS: contextvars.ContextVar[dict[Any, Any] | None] = contextvars.ContextVar(
 
 
 # The float8 copies of the weights moved quantised in this evaluation
-# (``._fp8.quantized_move``), by the moved weight: its float8 matmuls,
+# (``._scaling.quantized_move``), by the moved weight: its float8 matmuls,
 # which read it in the same jaxpr, take the copy in place of quantising.
 _QUANTIZED: contextvars.ContextVar[dict[int, Any] | None] = (
     contextvars.ContextVar("lossscale_autocast_quantized", default=None)

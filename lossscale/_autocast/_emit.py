@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from lossscale import _compat, _interpret
-from lossscale._autocast import _fp8, _islands, _matmul
+from lossscale._autocast import _islands, _matmul, _scaling
 from lossscale._autocast._cast import (
     cast,
     cast_cache,
@@ -160,7 +160,7 @@ def narrow_move(eqn: Any, x: Any, compute: Any) -> list[Any]:
 
 def float8_move(call: Call, eqn: Any, x: Any) -> list[Any]:
     """Binds a move of the float32 ``x``, a weight that only float8
-    matmuls read, on its float8 copy (``._fp8.quantized_move``): the
+    matmuls read, on its float8 copy (``._scaling.quantized_move``): the
     copy's scale is that of the moved value (an all-gather's is the
     ``pmax`` of the shards' over the axes it gathers), so the matmuls
     quantise as they would the weight moved in float32, at a quarter of
@@ -174,7 +174,9 @@ def float8_move(call: Call, eqn: Any, x: Any) -> list[Any]:
             return amax  # a resharding moves the whole array
         return jax.lax.pmax(amax, eqn.params["axis_name"])
 
-    moved, copy = _fp8.quantized_move(x, move, call.config.float8, global_max)
+    moved, copy = _scaling.quantized_move(
+        x, move, call.config.float8, global_max
+    )
     remember_quantized(moved, copy)
     return [moved]
 

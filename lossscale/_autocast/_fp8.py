@@ -1,9 +1,9 @@
 """The float8 matmul kernel: :func:`dot_general` with current scaling.
 
-A leaf of the package but for its configuration (:mod:`._float8`) and
-recipes (:mod:`._recipes`): :func:`dot_general` is what autocast binds in
-place of a matmul it would run in its compute dtype, with the equation's
-dimension numbers.
+A leaf of the package but for its configuration (:mod:`._float8`),
+recipes (:mod:`._recipes`) and quantisation (:mod:`._scaling`):
+:func:`dot_general` is what autocast binds in place of a matmul it would
+run in its compute dtype, with the equation's dimension numbers.
 
 XLA:CPU runs a ``dot_general`` of float8 operands exactly (it converts them
 to float32), so the tests check the numerics on CPU; on a GPU of compute
@@ -25,9 +25,10 @@ from jax import lax
 from lossscale import _compat
 
 from ._float8 import Float8
-from ._recipes import _MAX, EPS, F32, MAX_SCALE, Cast
+from ._recipes import F32, Cast
+from ._scaling import as_float32, quantize
 
-__all__ = ["dot_general", "quantized_move", "round_down_to_power_of_two"]
+__all__ = ["dot_general"]
 
 
 Axes = tuple[int, ...]
@@ -69,9 +70,9 @@ def dot_general(
         ``"rowwise_with_gw_hp"`` reads it, whose weight gradient is
         16-bit.
       quantized_weight: the weight's float8 copy and scale, made before
-        it was moved (:func:`quantized_move`), which the matmul takes in
-        place of quantising the weight; only where the recipe casts the
-        weight once, per tensor (:attr:`Recipe.weight_cast_once`).
+        it was moved (:func:`._scaling.quantized_move`), which the matmul
+        takes in place of quantising the weight; only where the recipe
+        casts the weight once, per tensor (:attr:`Recipe.weight_cast_once`).
 
     Returns:
       The product, in ``config.compute_dtype``; its gradients with respect
@@ -153,131 +154,6 @@ def _canonical(dimension_numbers: Any) -> Dims:
     )
 
 
-# --- scales -----------------------------------------------------------------
-
-
-def round_down_to_power_of_two(scale: jax.Array) -> jax.Array:
-    """Each float32 of ``scale`` rounded down to a power of two, exactly.
-
-    torchao computes ``exp2(floor(log2(scale)))``; JAX's ``log2`` is
-    ``log(x) / log(2)``, which is off at most powers of two (the floor then
-    halves the scale). Clearing the mantissa bits of a positive normal
-    float is exact; 0 and inf are kept, and NaN is kept NaN (clearing a
-    NaN's mantissa would make it inf).
-    """
-    bits = lax.bitcast_convert_type(scale, np.uint32)
-    mask = np.uint32(0xFF800000)
-    rounded = lax.bitcast_convert_type(lax.bitwise_and(bits, mask), F32)
-    return lax.select(lax.ne(scale, scale), scale, rounded)  # NaN kept
-
-
-def _scale(
-    x: jax.Array, dtype: np.dtype, axes: Sequence[int] | None, pow2: bool
-) -> jax.Array:
-    """float32 scale(s) of ``x`` for ``dtype``: one (a scalar) if ``axes``
-    is ``None``, else one per position of the other axes (``keepdims``)."""
-    # lax, not jnp: each jnp function is a jit call of its own to trace,
-    # and a float8 step quantises a few hundred times (its trace took
-    # 1.3x to 1.8x bfloat16's). ``x`` is float32 (_quantize).
-    reduced = tuple(range(x.ndim)) if axes is None else tuple(axes)
-    amax = lax.reduce_max(lax.abs(x), reduced)
-    if axes is not None:
-        amax = lax.expand_dims(amax, reduced)
-    return _scale_of(amax, dtype, pow2)
-
-
-def _scale_of(amax: jax.Array, dtype: np.dtype, pow2: bool) -> jax.Array:
-    """The float32 scale(s) for ``dtype`` of values whose largest
-    magnitude is ``amax``."""
-    # lax.min and lax.max keep a NaN (a NaN amax), and an inf amax gives 0.
-    # An operand of size 0 has the amax -inf, floored to EPS: its scale is
-    # finite (its product zeros, as an empty sum is 0).
-    scale = lax.div(np.float32(_MAX[dtype]), lax.max(amax, np.float32(EPS)))
-    scale = lax.min(scale, np.float32(MAX_SCALE))
-    return round_down_to_power_of_two(scale) if pow2 else scale
-
-
-def _as_float32(x: jax.Array) -> jax.Array:
-    """``x``'s values in float32, a 16-bit ``x``'s rounding kept.
-
-    ``x.astype(float32)`` of a 16-bit value that XLA computed in float32
-    (its default ``xla_allow_excess_precision`` removes the
-    float32 -> 16-bit -> float32 pair) would quantise the unrounded value:
-    jitted and eager float8 gradients then differed by 5-12% of their
-    largest element on a 4-layer tanh net (an output gradient's rounding
-    to bfloat16 lost just before ``e5m2``, whose steps are a quarter of a
-    value, turns into whole-quantum flips). ``reduce_precision`` says the
-    rounding in a form XLA keeps, and costs one elementwise operation in
-    the quantisation's fusion."""
-    wide = lax.convert_element_type(x, F32)
-    if np.dtype(x.dtype).itemsize != 2:  # float8 and float32 convert
-        return wide  # exactly; float64 rounds, as its matmul would
-    info = jnp.finfo(x.dtype)
-    return lax.reduce_precision(
-        wide, exponent_bits=info.nexp, mantissa_bits=info.nmant
-    )
-
-
-# A jit, not inlined: a quantisation is one equation for every
-# transformation after it (grad's, a scan's, the lowering), and the layers
-# of a model quantise operands of a few shapes, each traced once. (Inlined,
-# the float8 step of a scanned 12-layer model traced at 1.36x-1.43x
-# bfloat16's; benchmarks/float8_trace.py.)
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _quantize(
-    x: jax.Array, dtype: np.dtype, axes: tuple[int, ...] | None, pow2: bool
-) -> tuple[jax.Array, jax.Array]:
-    x = _as_float32(x)
-    scale = _scale(x, dtype, axes, pow2)
-    return lax.convert_element_type(lax.mul(x, scale), dtype), scale
-
-
-def quantized_move(
-    x: jax.Array, move: Any, config: Float8, global_max: Any
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """``move(x)`` for float8 matmuls' weight: quantised, then moved.
-
-    ``x`` is a float32 weight that only matmuls read whose recipe casts
-    the weight once, per tensor (:attr:`Recipe.weight_cast_once`), and
-    ``move`` a move that adds no value (an all-gather, a resharding).
-    Its scale is that of the moved value (``global_max`` of ``x``'s
-    largest magnitude: a ``pmax`` over the axes an all-gather gathers),
-    so the float8 values moved are those the matmuls would make from the
-    moved float32 weight, at a quarter of its bytes.
-
-    Returns:
-      The moved weight, float32, its values the float8 ones times the
-      inverse scale, through which the matmuls' weight gradients flow:
-      its tangent is moved in float32, so the backward pass moves (sums)
-      the gradient in float32 (a reduce-scatter). And the moved float8
-      copy with its scale, which :func:`dot_general` takes
-      (``quantized_weight``) instead of quantising the moved weight again.
-    """
-    dtype = config.row.weight.dtype
-    if dtype is None or not config.row.weight_cast_once:
-        raise ValueError(
-            "quantized_move needs a recipe that casts the weight once, per "
-            f"tensor; got config={config!r}."
-        )
-    x32 = _as_float32(lax.stop_gradient(x))
-    amax = global_max(lax.reduce_max(lax.abs(x32), tuple(range(x32.ndim))))
-    scale = _scale_of(amax, dtype, bool(config.power_of_two_scales))
-    q = move(lax.convert_element_type(lax.mul(x32, scale), dtype))
-
-    @jax.custom_jvp
-    def moved(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-        del x
-        return lax.mul(lax.convert_element_type(q, F32), 1 / scale)
-
-    @moved.defjvp
-    def _(primals: Any, tangents: Any) -> Any:
-        # The float8 copy and its scale carry no derivative (as the
-        # matmuls' own quantisation does not): x's tangent is moved.
-        return moved(*primals), move(tangents[0])
-
-    return moved(x, q, scale), (q, scale)
-
-
 def _inverse_in_output(
     scale: jax.Array, contract: Sequence[int], batch: Sequence[int],
     ndim: int, other_free: int, lhs_side: bool,
@@ -349,7 +225,7 @@ def _cast(
     if cast.dtype is None:
         return x.astype(config.compute_dtype), None
     rows = tuple(axes) if cast.rowwise else None
-    return _quantize(x, cast.dtype, rows, bool(config.power_of_two_scales))
+    return quantize(x, cast.dtype, rows, bool(config.power_of_two_scales))
 
 
 def _forward(
@@ -599,7 +475,7 @@ def _high_precision_cotangent(
     def dot(wide: bool) -> jax.Array:
         a, b = g.astype(dtype), y.astype(dtype)
         if wide:
-            a, b = _as_float32(a), _as_float32(b)
+            a, b = as_float32(a), as_float32(b)
         return lax.dot_general(
             a,
             b,

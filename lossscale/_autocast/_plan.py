@@ -85,7 +85,7 @@ class Node(NamedTuple):
     all-gather in 16 bits), its derivative moved back in float32.
     ``quantized``: a narrow move whose every reader is a float8 matmul
     taking it as its weight, cast once per tensor: quantised first, then
-    moved in float8 (its result float32, ``._fp8.quantized_move``).
+    moved in float8 (its result float32, ``._scaling.quantized_move``).
     """
 
     mode: Mode
