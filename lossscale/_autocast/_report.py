@@ -115,15 +115,6 @@ def _join(*parts: str) -> str:
 def _walk(plan: Any, place: _Place) -> Iterator[Matmul]:
     made_by = {v: e for e in plan.nodes for v in e.outvars}
     for eqn, node in plan.nodes.items():
-        if node.mode is _plan.Mode.FLOAT8:
-            yield _listed(
-                eqn,
-                _dtype(eqn, node, place.config),
-                _why_float8(plan, made_by, eqn, node, place.config),
-                place,
-                _weight(plan.roles.get(eqn)),
-            )
-            continue
         if node.mode is _plan.Mode.HIGHER:
             inner = _inside(eqn, place)
             for sub in node.data.plans:
@@ -133,10 +124,14 @@ def _walk(plan: Any, place: _Place) -> Iterator[Matmul]:
                 eqn, _why_traced(eqn, place.config), _inside(eqn, place)
             )
         elif _plan.eqn_facts(eqn).matmul:
+            if node.mode is _plan.Mode.FLOAT8:
+                why = _why_float8(plan, made_by, eqn, node, place.config)
+            else:
+                why = _why(eqn, node, place)
             yield _listed(
                 eqn,
                 _dtype(eqn, node, place.config),
-                _why(eqn, node, place),
+                why,
                 place,
                 _weight(plan.roles.get(eqn)),
             )
@@ -225,8 +220,8 @@ def _why_float8(
         move = made_by[var]
         made = plan.nodes[move]
         if made.narrow:
-            why = plan.gathers.get(move)
-            if made.quantized or why is None:
+            why = plan.gathers[move]  # None: moved in float8
+            if why is None:
                 dtype = config.float8.row.weight.dtype
                 return f"float8; its weight gathered in {np.dtype(dtype)}"
             compute = np.dtype(config.compute)
