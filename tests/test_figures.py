@@ -249,3 +249,45 @@ def test_the_benchmarks_page_quotes_the_recorded_gpu_loss_scaling_ratios():
         assert len(values) == 3  # 1M, 10M and 20M parameters
         low, high = f"{min(values):.2f}", f"{max(values):.2f}"
         assert quoted.format(low, high) in page, (variant, low, high)
+
+
+# --- the float8 trace figures -----------------------------------------------
+# benchmarks/float8_trace.py's recorded run: the trace + lower ratios the
+# float8 page quotes are read from its table.
+
+FLOAT8_TRACE = ROOT / "benchmarks" / "RESULTS-float8-trace.md"
+
+
+def test_the_float8_page_quotes_the_recorded_trace_ratios():
+    rows: dict[tuple[str, str], dict[str, str]] = {}
+    columns: list[str] = []
+    for line in FLOAT8_TRACE.read_text().splitlines():
+        if not line.startswith("|") or "---" in line:
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0] == "layers":
+            columns = cells
+            continue
+        row = dict(zip(columns, cells, strict=True))
+        rows[row["layers"], row["variant"]] = row
+    recipes = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+    guide = re.sub(r"\s+", " ", FLOAT8_PAGE.read_text())
+    for layout in ("unrolled", "scanned"):
+        assert rows[layout, "autocast bfloat16"]["trace + lower, ratio"] == (
+            "1.00"
+        )
+        a, b, c = (
+            rows[layout, f"float8 {r}"]["trace + lower, ratio"] + "x"
+            for r in recipes
+        )
+        assert f"{a}, {b} and {c}" in guide, (layout, a, b, c)
+    # The per-matmul cost it gives: the scanned steps' extra CPU time
+    # over the body's 4 float8 matmuls.
+    base = float(rows["scanned", "autocast bfloat16"]["trace + lower CPU s"])
+    extra = sorted(
+        (float(rows["scanned", f"float8 {r}"]["trace + lower CPU s"]) - base)
+        * 1000
+        / 4
+        for r in recipes
+    )
+    assert f"{extra[0]:.0f} to {extra[-1]:.0f} ms a matmul" in guide
