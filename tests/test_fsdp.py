@@ -405,19 +405,90 @@ def test_matmuls_say_how_the_weight_was_gathered(recipe, why):
     assert [(m.dtype, m.why) for m in found] == [("float8_e4m3fn", why)] * 2
 
 
-def test_matmuls_say_why_a_transposed_weight_is_gathered_in_16_bits():
-    # x @ w.T: the gather's reader is the transpose, so it is gathered in
-    # bfloat16 (rounded), and the matmul's entry says so (it said only
-    # "float8": the gather was looked for as the matmul's operand itself).
+def _transposed(gather):
+    # x @ w.T, as weights stored [out, in] (PyTorch's layout, a tied
+    # embedding's output layer) are read.
     def loss(params, x, y):
-        w = jax.lax.all_gather(params["w2"], AXIS, tiled=True)
-        return jnp.mean(jnp.square(x @ w.T - y[:, :1]))
+        w1, w2 = gather(params["w1"]), gather(params["w2"])
+        h = jax.nn.relu(x @ w2.T)
+        return jnp.mean(jnp.square(h @ w1.T - y))
 
-    (found,) = _listed_in_shard_map(loss, "tensorwise")
-    assert found.why == (
-        "float8; its weight gathered in bfloat16: it is read by transpose, "
-        "not only as float8 matmuls' weight"
+    return loss
+
+
+def _rearranged(gather):
+    # A chain of rearrangements between the gather and the matmul.
+    def loss(params, x, y):
+        w1 = gather(params["w1"])
+        w2 = jnp.squeeze(jnp.expand_dims(gather(params["w2"]).T, 0), 0)
+        h = jax.nn.relu(x @ w1)
+        return jnp.mean(jnp.square(h @ w2.T - y))
+
+    return loss
+
+
+@pytest.mark.parametrize("model", [_transposed, _rearranged])
+def test_float8_transposed_weight_is_gathered_in_float8(model):
+    # The gather's reader is a transpose (a reshape, ...) that only the
+    # float8 matmul reads: the float8 copy is rearranged with it, so the
+    # weight is gathered in float8 and the values are the float32
+    # gathers' bit for bit. It was gathered in bfloat16, and the matmul
+    # quantised the rounded weight (its gradients off by float8 quanta).
+    step, args = _shard_map_step(lossscale.Float8(), model=model)
+    reference, _ = _shard_map_step(
+        lossscale.Float8(), float32_gathers=True, model=model
     )
+    jaxpr = jax.make_jaxpr(step)(*args).jaxpr
+    assert _results(jaxpr, "all_gather") == ["float8_e4m3fn"] * 2
+    assert set(_results(jaxpr, "reduce_scatter")) == {"float32"}
+    table = _table(step.lower(*args).compile(F8_UNWIDENED).as_text())
+    assert _dtypes(table, "all-gather") == {"f8e4m3fn"}
+    assert _bytes(table, "all-gather") == F32_GATHER // 4
+    assert _dtypes(table, "reduce-scatter") == {"f32"}
+    ref_table = _table(reference.lower(*args).as_text(dialect="hlo"))
+    assert _dtypes(ref_table, "all-gather") == {"f32"}
+    _float8_values_equal((step(*args), reference(*args)))
+    found = _listed_in_shard_map(model(_all_gather(False)), "tensorwise")
+    assert [m.why for m in found] == [
+        "float8; its weight gathered in float8_e4m3fn"
+    ] * 2
+
+
+def test_float8_explicit_transposed_weight_is_resharded_in_float8():
+    mesh, step, args = _explicit_step(lossscale.Float8(), model=_transposed)
+    _, reference, _ = _explicit_step(
+        lossscale.Float8(), float32_gathers=True, model=_transposed
+    )
+    with set_mesh(mesh):
+        dtypes = _results(jax.make_jaxpr(step)(*args).jaxpr, "reshard")
+        table = _table(step.lower(*args).compile(F8_UNWIDENED).as_text())
+        results = step(*args), reference(*args)
+    assert dtypes.count("float8_e4m3fn") == 2 and "bfloat16" not in dtypes
+    assert _dtypes(table, "all-gather") == {"f8e4m3fn"}
+    assert _bytes(table, "all-gather") == F32_GATHER // 4
+    _float8_values_equal(results)
+
+
+def test_matmuls_say_why_a_transposed_weight_read_elsewhere_is_16_bits():
+    # x @ w.T, and w.T sliced for a matmul too small for float8: the copy
+    # cannot reach the slice, so the weight is gathered in bfloat16
+    # (rounded), and the float8 matmul's entry names the reader (it said
+    # only "float8" for x @ w.T: the gather was looked for as the
+    # matmul's operand itself).
+    def loss(params, x, y):
+        w = jax.lax.all_gather(params["w2"], AXIS, tiled=True).T
+        small = jnp.mean(x[:, :8] @ w[:8])
+        return jnp.mean(jnp.square(x @ w - jnp.tile(y, (1, 4)))) + small
+
+    found = _listed_in_shard_map(loss, "tensorwise")
+    assert sorted((m.dtype, m.why) for m in found) == [
+        ("bfloat16", "the weight's N=512, K=8 not both multiples of 16"),
+        (
+            "float8_e4m3fn",
+            "float8; its weight gathered in bfloat16: it is read by slice, "
+            "not only as float8 matmuls' weight",
+        ),
+    ]
 
 
 def _listed_in_shard_map(model, recipe):

@@ -21,6 +21,7 @@ from lossscale._autocast import _islands, _matmul, _scaling
 from lossscale._autocast._cast import (
     cast,
     cast_cache,
+    quantized_copy,
     remember_quantized,
     store,
 )
@@ -106,6 +107,8 @@ def _equation(call: Call, eqn: Any, node: Node, invals: list[Any]) -> list[Any]:
         return store(out, node.outs, compute)
     if node.quantized:
         return float8_move(call, eqn, invals[0])
+    if node.carries_copy:
+        return float8_rearrange(eqn, invals[0])
     if node.narrow:
         return store(narrow_move(eqn, invals[0], compute), node.outs, compute)
     dtype = {Mode.COMPUTE: compute, Mode.FLOAT32: F32_DTYPE}.get(node.mode)
@@ -179,6 +182,20 @@ def float8_move(call: Call, eqn: Any, x: Any) -> list[Any]:
     )
     remember_quantized(moved, copy)
     return [moved]
+
+
+def float8_rearrange(eqn: Any, x: Any) -> list[Any]:
+    """Binds a rearrangement (a transpose, a reshape) of ``x``, a weight
+    moved in float8 (:func:`float8_move`), in float32, and the same
+    rearrangement of its float8 copy, which its matmuls then take: a
+    per-tensor scale is that of every rearrangement of the values, so the
+    copy is what they would make of the rearranged weight."""
+    out = _compat.bind_equation(eqn, [x])[0]
+    copy = quantized_copy(x)
+    if copy is not None:
+        q, scale = copy
+        remember_quantized(out, (_compat.bind_equation(eqn, [q])[0], scale))
+    return [out]
 
 
 def bind(eqn: Any, node: Node, invals: Sequence[Any], dtype: Any) -> list[Any]:

@@ -443,10 +443,11 @@ def _member(jf: JaxprFacts, eqn: Any, node: Node) -> bool:
     equations and data movement (no matmul), and calls of such only
     (``jax.nn.relu`` is a ``custom_jvp`` of a ``jax.jit``)."""
     ef = jf.of[eqn]
-    if ef.scoped or node.quantized:
-        # A weight moved in float8 is bound where its matmuls read it:
-        # they take its float8 copy by the moved value, which an island's
-        # checkpoint would hide behind a value of its own.
+    if ef.scoped or node.quantized or node.carries_copy:
+        # A weight moved in float8 (and rearranged) is bound where its
+        # matmuls read it: they take its float8 copy by the moved value,
+        # which an island's checkpoint would hide behind a value of its
+        # own.
         return False
     if node.mode is Mode.HIGHER:
         return HIGHER[eqn.primitive].island and all(

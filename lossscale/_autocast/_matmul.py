@@ -319,12 +319,15 @@ def quantized_gathers(
     """Marks ``quantized`` each narrow move (a float32 weight gathered in
     the compute dtype) that can move float8 instead: its record says its
     result's largest magnitude is known before it moves, and its every
-    reader is a float8 matmul taking it as its weight, under a recipe that
-    casts the weight once per tensor (a row-wise recipe quantises the
-    weight again along other axes for the input gradient, so it is
-    gathered in 16 bits: :func:`gathered_why`). Its result is then the
-    float32 weight that the matmuls' gradients flow through. Returns, per
-    narrow move, why it moves 16 bits (None: it moves float8)."""
+    reader is a float8 matmul taking it as its weight, or a rearrangement
+    (a transpose, a reshape: ``x @ w.T``) whose readers are so in turn,
+    under a recipe that casts the weight once per tensor (a row-wise
+    recipe quantises the weight again along other axes for the input
+    gradient, so it is gathered in 16 bits: :func:`gathered_why`). Its
+    result is then the float32 weight that the matmuls' gradients flow
+    through, and each such rearrangement is marked ``carries_copy``: bound
+    in float32, it rearranges the float8 copy too. Returns, per narrow
+    move, why it moves 16 bits (None: it moves float8)."""
     whys: dict[Any, str | None] = {}
     if float8 is None:
         return whys
@@ -334,6 +337,14 @@ def quantized_gathers(
             whys[eqn] = why = gathered_why(jf, nodes, eqn, float8)
             if why is None:
                 nodes[eqn] = node._replace(quantized=True, outs=(Cls.F32,))
+                for carrier in _copy_readers(jf, nodes, eqn.outvars[0])[0]:
+                    nodes[carrier] = nodes[carrier]._replace(
+                        mode=Mode.FLOAT32,
+                        ins=(Cls.F32,),
+                        outs=(Cls.F32,),
+                        reads32=(True,),
+                        carries_copy=True,
+                    )
     return whys
 
 
@@ -356,26 +367,51 @@ def gathered_why(
         return f"a {name} moves a part of the weight, not a whole one"
     if eqn.params.get("axis_index_groups") is not None:
         return f"a {name} with axis_index_groups"
-    (out,) = eqn.outvars
-    others = sorted(
-        {
-            r.primitive.name
-            for r, i in jf.readers.get(out, ())
-            if not (
-                nodes[r].mode is Mode.FLOAT8
-                and nodes[r].role is not None
-                and nodes[r].role.weight == i
-            )
-        }
-    )
-    if out in jf.outputs:
-        others.append("the function's output")
+    _, others = _copy_readers(jf, nodes, eqn.outvars[0])
     if others:
         return (
             f"it is read by {', '.join(others)}, not only as float8 "
             "matmuls' weight"
         )
     return None
+
+
+def _copy_readers(
+    jf: JaxprFacts, nodes: Any, var: Any
+) -> tuple[list[Any], list[str]]:
+    """Where the float8 copy of the weight ``var`` would go: the
+    rearrangements that carry it to float8 matmuls taking it as their
+    weight, and the readers it cannot reach (their names, and the
+    function's output), which keep the weight 16-bit."""
+    carriers: list[Any] = []
+    others: set[str] = set()
+    output = False
+    pending = [var]
+    while pending:
+        value = pending.pop()
+        output = output or value in jf.outputs
+        for reader, i in jf.readers.get(value, ()):
+            node = nodes[reader]
+            if (
+                node.mode is Mode.FLOAT8
+                and node.role is not None
+                and node.role.weight == i
+            ):
+                continue
+            record = jf.of[reader].record
+            if (
+                record is not None
+                and record.rearranges
+                and len(reader.invars) == 1
+            ):
+                carriers.append(reader)
+                pending.append(reader.outvars[0])
+            else:
+                others.add(reader.primitive.name)
+    names = sorted(others)
+    if output:
+        names.append("the function's output")
+    return carriers, names
 
 
 def emit_float8(call: Any, eqn: Any, invals: list[Any], weight: int) -> list:

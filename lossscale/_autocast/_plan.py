@@ -86,6 +86,10 @@ class Node(NamedTuple):
     ``quantized``: a narrow move whose every reader is a float8 matmul
     taking it as its weight, cast once per tensor: quantised first, then
     moved in float8 (its result float32, ``._scaling.quantized_move``).
+    ``carries_copy``: a rearrangement (``_rules.Record.rearranges``: a
+    transpose, a reshape) of such a weight whose every reader is again a
+    float8 matmul's weight or such a rearrangement: bound in float32, it
+    rearranges the weight's float8 copy too, which its matmuls take.
     """
 
     mode: Mode
@@ -98,6 +102,7 @@ class Node(NamedTuple):
     reason: str | None = None
     narrow: bool = False
     quantized: bool = False
+    carries_copy: bool = False
 
 
 class Plan(NamedTuple):

@@ -52,7 +52,11 @@ the compute dtype, its derivative moved back in float32),
 before it moves: a resharding moves a whole array, and an all-gather's is
 the ``pmax`` of its operand's over the axes it gathers; a float32 weight
 that only per-tensor float8 matmuls read is quantised first and moved in
-float8, with the scale its gathered copy would have had), ``remat`` (its
+float8, with the scale its gathered copy would have had), ``rearranges``
+(it moves every value of one array and adds none, on one device: a
+transpose, a reshape; a per-tensor float8 copy and its scale stay those
+of its result, so a weight moved in float8 keeps its copy through it),
+``remat`` (its
 derivative is recomputed from its 16-bit operand, not stored in float32),
 ``foldable`` (autocast may compute it at trace time on small constants),
 ``island`` (it may be recomputed inside a float32 island:
@@ -133,6 +137,7 @@ class Record:
     collective: bool = False
     gathers: bool = False
     gathers_float8: bool = False
+    rearranges: bool = False
     remat: bool = False
     foldable: bool = True
     island: bool = True
@@ -146,6 +151,7 @@ _MOVE = {"moves": True}
 # Exact data movement whose derivative is the same movement of the
 # tangent (it keeps nothing; max, abs and their kin keep a mask).
 _LINEAR_MOVE = {"moves": True, "keeps_nothing": True}
+_REARRANGE = {**_LINEAR_MOVE, "rearranges": True}
 _NOTHING = {"keeps_nothing": True}
 _COLLECTIVE = {"collective": True, "foldable": False}
 # Moves between devices that add nothing: rounding commutes with them, so
@@ -250,17 +256,17 @@ _SPEC: tuple[tuple[str, Kind, dict[str, bool]], ...] = (
     ("select_and_scatter_add", P, {"foldable": False}),
     # Data movement and selection: exact, and a constant that fits the
     # compute dtype still fits after it.
-    ("reshape", P, _LINEAR_MOVE),
-    ("broadcast_in_dim", P, _LINEAR_MOVE),
-    ("transpose", P, _LINEAR_MOVE),
-    ("squeeze", P, _LINEAR_MOVE),
+    ("reshape", P, _REARRANGE),
+    ("broadcast_in_dim", P, _REARRANGE),
+    ("transpose", P, _REARRANGE),
+    ("squeeze", P, _REARRANGE),
     ("slice", P, _LINEAR_MOVE),
     ("dynamic_slice", P, _LINEAR_MOVE),
     ("dynamic_update_slice", P, _LINEAR_MOVE),
     ("gather", P, _LINEAR_MOVE),
     ("concatenate", P, _LINEAR_MOVE),
     ("pad", P, _LINEAR_MOVE),
-    ("rev", P, _LINEAR_MOVE),
+    ("rev", P, _REARRANGE),
     ("split", P, _LINEAR_MOVE),
     ("select_n", P, _LINEAR_MOVE),
     ("reduce_max", P, _MOVE),
@@ -270,7 +276,7 @@ _SPEC: tuple[tuple[str, Kind, dict[str, bool]], ...] = (
     ("clamp", P, _MOVE),
     ("neg", P, _LINEAR_MOVE),
     ("abs", P, _MOVE),
-    ("copy", P, _LINEAR_MOVE),
+    ("copy", P, _REARRANGE),
     ("stop_gradient", P, _LINEAR_MOVE),
     ("sharding_constraint", P, _RESHARD),
     ("mesh_cast", P, _RESHARD),
