@@ -83,15 +83,22 @@ def _reshard(float32):
 
 
 def _shard_map_step(
-    dtype, *, float32_gathers=False, model=_mlp, args=_args, specs=BATCH
+    dtype,
+    *,
+    float32_gathers=False,
+    model=_mlp,
+    args=_args,
+    specs=BATCH,
+    rules=None,
 ):
     """A jitted FSDP train step of ``model(gather)`` (a loss of
     ``(params, x, y)``) under ``shard_map``, and its arguments: the params
-    sharded by ``specs`` (a prefix of their tree), the batch on ``AXIS``."""
+    sharded by ``specs`` (a prefix of their tree), the batch on ``AXIS``;
+    ``rules``: autocast's."""
     mesh = jax.sharding.Mesh(jax.devices()[:4], (AXIS,))
     loss = model(_all_gather(float32_gathers))
     if dtype is not None:
-        loss = lossscale.autocast(loss, dtype)
+        loss = lossscale.autocast(loss, dtype, rules=rules)
 
     def body(params, x, y):
         value, grads = jax.value_and_grad(loss)(params, x, y)
@@ -467,6 +474,24 @@ def test_float8_explicit_transposed_weight_is_resharded_in_float8():
     assert _dtypes(table, "all-gather") == {"f8e4m3fn"}
     assert _bytes(table, "all-gather") == F32_GATHER // 4
     _float8_values_equal(results)
+
+
+def test_a_transpose_under_a_rule_of_the_user_keeps_its_rule():
+    # rules={"transpose": "compute"}: the transposes run in bfloat16, as
+    # asked, so the float8 copy cannot be carried through them (it was:
+    # they ran in float32, and the gradients differed from the float32
+    # gathers' program, whose matmuls quantise the rounded weight). The
+    # weights are gathered rounded, which commutes with the transpose.
+    rules = {"transpose": "compute"}
+    step, args = _shard_map_step(
+        lossscale.Float8(), model=_transposed, rules=rules
+    )
+    reference, _ = _shard_map_step(
+        lossscale.Float8(), float32_gathers=True, model=_transposed, rules=rules
+    )
+    jaxpr = jax.make_jaxpr(step)(*args).jaxpr
+    assert _results(jaxpr, "all_gather") == ["bfloat16"] * 2
+    _float8_values_equal((step(*args), reference(*args)))
 
 
 def test_matmuls_say_why_a_transposed_weight_read_elsewhere_is_16_bits():

@@ -404,7 +404,7 @@ def _finish(
     jf = planning.facts
     # After the fixed point: a weight gathered for float8 matmuls only is
     # gathered in float8, which no other equation's plan depends on.
-    gathers = _matmul.quantized_gathers(jf, nodes, planning.config.float8)
+    gathers = _matmul.quantized_gathers(jf, nodes, planning.config)
     members = [_member(jf, e, nodes[e]) for e in jf.eqns]
     upcasts = [
         nodes[e].mode is Mode.FLOAT32 and Cls.LOW in nodes[e].ins

@@ -314,7 +314,7 @@ def float8_summary(plan: Plan) -> tuple[int, list[str]]:
 
 
 def quantized_gathers(
-    jf: JaxprFacts, nodes: dict[Any, Node], float8: Any
+    jf: JaxprFacts, nodes: dict[Any, Node], config: Any
 ) -> dict[Any, str | None]:
     """Marks ``quantized`` each narrow move (a float32 weight gathered in
     the compute dtype) that can move float8 instead: its record says its
@@ -326,18 +326,21 @@ def quantized_gathers(
     gradient, so it is gathered in 16 bits: :func:`gathered_why`). Its
     result is then the float32 weight that the matmuls' gradients flow
     through, and each such rearrangement is marked ``carries_copy``: bound
-    in float32, it rearranges the float8 copy too. Returns, per narrow
-    move, why it moves 16 bits (None: it moves float8)."""
+    in float32, it rearranges the float8 copy too (not one whose rule
+    the user overrode: ``rules={"transpose": "compute"}`` asks for it in
+    the compute dtype). ``config``: the autocast configuration. Returns,
+    per narrow move, why it moves 16 bits (None: it moves float8)."""
     whys: dict[Any, str | None] = {}
-    if float8 is None:
+    if config.float8 is None:
         return whys
     for eqn in jf.eqns:
         node = nodes[eqn]
         if node.narrow:
-            whys[eqn] = why = gathered_why(jf, nodes, eqn, float8)
+            whys[eqn] = why = gathered_why(jf, nodes, eqn, config)
             if why is None:
                 nodes[eqn] = node._replace(quantized=True, outs=(Cls.F32,))
-                for carrier in _copy_readers(jf, nodes, eqn.outvars[0])[0]:
+                carriers, _ = _copy_readers(jf, nodes, eqn.outvars[0], config)
+                for carrier in carriers:
                     nodes[carrier] = nodes[carrier]._replace(
                         mode=Mode.FLOAT32,
                         ins=(Cls.F32,),
@@ -349,13 +352,13 @@ def quantized_gathers(
 
 
 def gathered_why(
-    jf: JaxprFacts, nodes: Any, eqn: Any, float8: Any
+    jf: JaxprFacts, nodes: Any, eqn: Any, config: Any
 ) -> str | None:
     """Why the narrow move ``eqn`` moves its float32 weight in the compute
     dtype, not in float8 (None: it can move float8)."""
     record = jf.of[eqn].record
     name = eqn.primitive.name
-    row = float8.row
+    row = config.float8.row
     if not row.weight_cast_once:
         if row.weight.rowwise:
             return (
@@ -367,7 +370,7 @@ def gathered_why(
         return f"a {name} moves a part of the weight, not a whole one"
     if eqn.params.get("axis_index_groups") is not None:
         return f"a {name} with axis_index_groups"
-    _, others = _copy_readers(jf, nodes, eqn.outvars[0])
+    _, others = _copy_readers(jf, nodes, eqn.outvars[0], config)
     if others:
         return (
             f"it is read by {', '.join(others)}, not only as float8 "
@@ -377,7 +380,7 @@ def gathered_why(
 
 
 def _copy_readers(
-    jf: JaxprFacts, nodes: Any, var: Any
+    jf: JaxprFacts, nodes: Any, var: Any, config: Any
 ) -> tuple[list[Any], list[str]]:
     """Where the float8 copy of the weight ``var`` would go: the
     rearrangements that carry it to float8 matmuls taking it as their
@@ -399,15 +402,19 @@ def _copy_readers(
             ):
                 continue
             record = jf.of[reader].record
+            name = reader.primitive.name
             if (
                 record is not None
                 and record.rearranges
                 and len(reader.invars) == 1
             ):
+                if config.record(reader.primitive)[1] is not None:
+                    others.add(f"{name} (its rule overridden)")
+                    continue
                 carriers.append(reader)
                 pending.append(reader.outvars[0])
             else:
-                others.add(reader.primitive.name)
+                others.add(name)
     names = sorted(others)
     if output:
         names.append("the function's output")
