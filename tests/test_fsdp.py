@@ -516,6 +516,45 @@ def test_matmuls_say_why_a_transposed_weight_read_elsewhere_is_16_bits():
     ]
 
 
+def test_matmuls_follow_the_weight_out_of_a_call_to_its_gather():
+    # The gather is outside a checkpointed block (a jitted helper) whose
+    # matmul takes it: the weight is gathered in bfloat16, since the call
+    # reads it, and the matmul's entry says so (it said only "float8":
+    # the walk back to the gather stopped at the block's inputs).
+    def checkpointed(params, x, y):
+        w = jax.lax.all_gather(params["w1"], AXIS, tiled=True)
+        block = jax.checkpoint(lambda w, x: jnp.tanh(x @ w))
+        return jnp.mean(block(w, x))
+
+    dense = jax.jit(lambda x, w: x @ w)
+
+    def jitted(params, x, y):
+        w = jax.lax.all_gather(params["w1"], AXIS, tiled=True)
+        return jnp.mean(jnp.tanh(dense(x, w)))
+
+    for loss, call in ((checkpointed, "remat2"), (jitted, "jit")):
+        (found,) = _listed_in_shard_map(loss, "tensorwise")
+        assert found.why == (
+            f"float8; its weight gathered in bfloat16: it is read by {call}, "
+            "not only as float8 matmuls' weight"
+        )
+
+
+def test_matmuls_say_why_a_weight_is_gathered_in_float32():
+    # The gathered weight is also an output: nothing rounds it there, so
+    # it is gathered in float32, and the matmul's entry says why (it said
+    # only "float8").
+    def loss(params, x, y):
+        w = jax.lax.all_gather(params["w1"], AXIS, tiled=True)
+        return jnp.mean(jnp.square(x @ w)), w
+
+    (found,) = _listed_in_shard_map(loss, "tensorwise")
+    assert found.why == (
+        "float8; its weight gathered in float32: it is read by the "
+        "function's output, not only as float8 matmuls' weight"
+    )
+
+
 def _listed_in_shard_map(model, recipe):
     """``lossscale.matmuls`` of the autocast ``model`` under shard_map."""
     mesh = jax.sharding.Mesh(jax.devices()[:4], (AXIS,))

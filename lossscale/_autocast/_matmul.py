@@ -329,25 +329,35 @@ def quantized_gathers(
     in float32, it rearranges the float8 copy too (not one whose rule
     the user overrode: ``rules={"transpose": "compute"}`` asks for it in
     the compute dtype). ``config``: the autocast configuration. Returns,
-    per narrow move, why it moves 16 bits (None: it moves float8)."""
+    per narrow move, why it moves 16 bits (None: it moves float8), and
+    per gather that moves float32 a weight float8 matmuls read, why (a
+    reader that does not round it)."""
     whys: dict[Any, str | None] = {}
     if config.float8 is None:
         return whys
     for eqn in jf.eqns:
         node = nodes[eqn]
-        if node.narrow:
-            whys[eqn] = why = gathered_why(jf, nodes, eqn, config)
-            if why is None:
-                nodes[eqn] = node._replace(quantized=True, outs=(Cls.F32,))
-                carriers, _ = _copy_readers(jf, nodes, eqn.outvars[0], config)
-                for carrier in carriers:
-                    nodes[carrier] = nodes[carrier]._replace(
-                        mode=Mode.FLOAT32,
-                        ins=(Cls.F32,),
-                        outs=(Cls.F32,),
-                        reads32=(True,),
-                        carries_copy=True,
-                    )
+        if not node.narrow:
+            record = jf.of[eqn].record
+            if record is not None and record.gathers:
+                # Gathered as it is (float32: a reader does not round
+                # it); why, for lossscale.matmuls' float8 matmuls.
+                _, others = _copy_readers(jf, nodes, eqn.outvars[0], config)
+                if others:
+                    whys[eqn] = _read_by(others)
+            continue
+        whys[eqn] = why = gathered_why(jf, nodes, eqn, config)
+        if why is None:
+            nodes[eqn] = node._replace(quantized=True, outs=(Cls.F32,))
+            carriers, _ = _copy_readers(jf, nodes, eqn.outvars[0], config)
+            for carrier in carriers:
+                nodes[carrier] = nodes[carrier]._replace(
+                    mode=Mode.FLOAT32,
+                    ins=(Cls.F32,),
+                    outs=(Cls.F32,),
+                    reads32=(True,),
+                    carries_copy=True,
+                )
     return whys
 
 
@@ -371,12 +381,13 @@ def gathered_why(
     if eqn.params.get("axis_index_groups") is not None:
         return f"a {name} with axis_index_groups"
     _, others = _copy_readers(jf, nodes, eqn.outvars[0], config)
-    if others:
-        return (
-            f"it is read by {', '.join(others)}, not only as float8 "
-            "matmuls' weight"
-        )
-    return None
+    return _read_by(others) if others else None
+
+
+def _read_by(others: list[str]) -> str:
+    return (
+        f"it is read by {', '.join(others)}, not only as float8 matmuls' weight"
+    )
 
 
 def _copy_readers(

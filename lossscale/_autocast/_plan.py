@@ -127,7 +127,8 @@ class Plan(NamedTuple):
     rounded: tuple[bool, ...] = ()
     # Under a float8 recipe, each move of a float32 weight rounded before
     # it moves (``Node.narrow``): why it moves in the compute dtype, or
-    # None where it moves float8 (``Node.quantized``).
+    # None where it moves float8 (``Node.quantized``); and each gather
+    # that moves float32 a weight float8 matmuls read: why.
     gathers: Mapping[Any, str | None] = {}
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -23,9 +23,11 @@ class Matmul(NamedTuple):
             the 16-bit compute dtype, or ``"float32"`` (at the dtypes the
             program traced).
         why: why that dtype, in words. A float8 matmul whose weight an
-            FSDP gather moves says how it was gathered: ``"float8; its
-            weight gathered in float8_e4m3fn"``, or in the compute dtype
-            with the reason.
+            FSDP gather moves (through moves such as a transpose, and
+            out of the calls and loop bodies it is passed to) says how it
+            was gathered: ``"float8; its weight gathered in
+            float8_e4m3fn"``, or in the compute dtype or float32 with the
+            reason.
         where: the named scopes (and jitted functions) it was traced in.
         line: the line of the user's code that made it (``file:line``).
         weight: under a :class:`lossscale.Float8` recipe, the path of the
@@ -112,20 +114,32 @@ def _join(*parts: str) -> str:
     return "/".join(p for p in parts if p)
 
 
-def _walk(plan: Any, place: _Place) -> Iterator[Matmul]:
+# How a float8 matmul's weight was gathered, for a variable of the jaxpr
+# a walk is in (None: not by a gather this walk can see).
+Gathered = Callable[[Any], "str | None"]
+
+
+def _walk(
+    plan: Any, place: _Place, outer: Gathered | None = None
+) -> Iterator[Matmul]:
     made_by = {v: e for e in plan.nodes for v in e.outvars}
+
+    def gathered(var: Any) -> str | None:
+        return _gathered(plan, made_by, var, place.config, outer)
+
     for eqn, node in plan.nodes.items():
         if node.mode is _plan.Mode.HIGHER:
             inner = _inside(eqn, place)
             for sub in node.data.plans:
-                yield from _walk(sub, inner)
+                yield from _walk(sub, inner, _through(eqn, sub, gathered))
         elif node.mode is _plan.Mode.TRACED and _compat.sub_jaxprs(eqn):
             yield from _as_traced(
                 eqn, _why_traced(eqn, place.config), _inside(eqn, place)
             )
         elif _plan.eqn_facts(eqn).matmul:
             if node.mode is _plan.Mode.FLOAT8:
-                why = _why_float8(plan, made_by, eqn, node, place.config)
+                note = gathered(eqn.invars[node.role.weight])
+                why = "float8" if note is None else f"float8; {note}"
             else:
                 why = _why(eqn, node, place)
             yield _listed(
@@ -207,29 +221,56 @@ def _why_traced(eqn: Any, config: Any) -> str:
     return "at its traced dtypes"
 
 
-def _why_float8(
-    plan: Any, made_by: dict[Any, Any], eqn: Any, node: Any, config: Any
-) -> str:
-    """Why a float8 matmul's dtype: "float8", and how its weight was
-    gathered where an FSDP gather moved it (``made_by``: each variable's
-    equation in ``plan``)."""
-    # Back from the weight operand, through moves (a transpose, a
-    # reshape), to the gather that moved it, if one did.
-    var = eqn.invars[node.role.weight]
+def _gathered(
+    plan: Any, made_by: dict[Any, Any], var: Any, config: Any,
+    outer: Gathered | None,
+) -> str | None:  # fmt: skip
+    """How the weight ``var`` was gathered, where an FSDP gather moved it
+    (``made_by``: each variable's equation in ``plan``): back through
+    moves (a transpose, a reshape) to the gather, and out of a call or a
+    loop body to its operand (``outer``)."""
     while var in made_by:
         move = made_by[var]
-        made = plan.nodes[move]
-        if made.narrow:
+        if move in plan.gathers:
             why = plan.gathers[move]  # None: moved in float8
             if why is None:
                 dtype = config.float8.row.weight.dtype
-                return f"float8; its weight gathered in {np.dtype(dtype)}"
-            compute = np.dtype(config.compute)
-            return f"float8; its weight gathered in {compute}: {why}"
+                return f"its weight gathered in {np.dtype(dtype)}"
+            dtype = config.compute if plan.nodes[move].narrow else np.float32
+            return f"its weight gathered in {np.dtype(dtype)}: {why}"
         if not (_plan.eqn_facts(move).moves and len(move.invars) == 1):
-            break
+            return None
         var = move.invars[0]
-    return "float8"
+    return None if outer is None else outer(var)
+
+
+def _through(eqn: Any, sub: Any, gathered: Gathered) -> Gathered | None:
+    """``gathered`` seen from inside the higher-order ``eqn`` whose jaxpr
+    ``sub`` plans: its inputs are ``eqn``'s operands in order (a call, a
+    checkpoint, a scan's consts, carry and stacked inputs) or all but the
+    first (a cond's branches, after the index); None elsewhere (a while
+    loop's body)."""
+    first = next(iter(sub.nodes), None)
+    jaxpr = next(
+        (j for j in _compat.sub_jaxprs(eqn) if any(e is first for e in j.eqns)),
+        None,
+    )
+    if jaxpr is None:
+        return None
+    operands = list(eqn.invars)
+    if len(jaxpr.invars) == len(operands) - 1 and eqn.primitive.name == "cond":
+        operands = operands[1:]
+    if len(jaxpr.invars) != len(operands):
+        return None
+    by_inner = dict(zip(jaxpr.invars, operands, strict=True))
+
+    def outer(var: Any) -> str | None:
+        atom = by_inner.get(var)
+        return (
+            None if atom is None or not _compat.is_var(atom) else gathered(atom)
+        )
+
+    return outer
 
 
 def _why(eqn: Any, node: Any, place: _Place) -> str:
