@@ -540,17 +540,19 @@ def test_matmuls_follow_the_weight_out_of_a_call_to_its_gather():
         )
 
 
-def test_matmuls_say_why_a_weight_is_gathered_in_float32():
+@pytest.mark.parametrize("stored", ["float32", "bfloat16"])
+def test_matmuls_say_why_a_weight_is_gathered_as_it_is_stored(stored):
     # The gathered weight is also an output: nothing rounds it there, so
-    # it is gathered in float32, and the matmul's entry says why (it said
-    # only "float8").
+    # it is gathered as it is stored, and the matmul's entry says why (it
+    # said only "float8").
     def loss(params, x, y):
-        w = jax.lax.all_gather(params["w1"], AXIS, tiled=True)
+        w = params["w1"].astype(stored)
+        w = jax.lax.all_gather(w, AXIS, tiled=True)
         return jnp.mean(jnp.square(x @ w)), w
 
     (found,) = _listed_in_shard_map(loss, "tensorwise")
     assert found.why == (
-        "float8; its weight gathered in float32: it is read by the "
+        f"float8; its weight gathered in {stored}: it is read by the "
         "function's output, not only as float8 matmuls' weight"
     )
 

@@ -10,7 +10,7 @@ import numpy as np
 from lossscale import _compat
 from lossscale._autocast import _eager, _plan, _run, _weights
 from lossscale._autocast import _matmul as _matmul_rules
-from lossscale._autocast._classes import Cls
+from lossscale._autocast._classes import Cls, class_dtype
 
 
 class Matmul(NamedTuple):
@@ -236,7 +236,11 @@ def _gathered(
             if why is None:
                 dtype = config.float8.row.weight.dtype
                 return f"its weight gathered in {np.dtype(dtype)}"
-            dtype = config.compute if plan.nodes[move].narrow else np.float32
+            # Moved in the dtype of its result's class (a narrow move's:
+            # the compute dtype).
+            cls = plan.nodes[move].outs[0]
+            dtype = class_dtype(cls, np.dtype(config.compute))
+            dtype = var.aval.dtype if dtype is None else dtype
             return f"its weight gathered in {np.dtype(dtype)}: {why}"
         if not (_plan.eqn_facts(move).moves and len(move.invars) == 1):
             return None
