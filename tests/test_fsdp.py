@@ -476,13 +476,18 @@ def test_float8_explicit_transposed_weight_is_resharded_in_float8():
     _float8_values_equal(results)
 
 
-def test_a_transpose_under_a_rule_of_the_user_keeps_its_rule():
+@pytest.mark.parametrize(
+    ("rule", "gathered"),
+    [("compute", "bfloat16"), ("float32", "float8_e4m3fn")],
+)
+def test_a_transpose_under_a_rule_of_the_user_keeps_its_rule(rule, gathered):
     # rules={"transpose": "compute"}: the transposes run in bfloat16, as
     # asked, so the float8 copy cannot be carried through them (it was:
     # they ran in float32, and the gradients differed from the float32
     # gathers' program, whose matmuls quantise the rounded weight). The
     # weights are gathered rounded, which commutes with the transpose.
-    rules = {"transpose": "compute"}
+    # Under "float32" they run in float32, and carry the copy.
+    rules = {"transpose": rule}
     step, args = _shard_map_step(
         lossscale.Float8(), model=_transposed, rules=rules
     )
@@ -490,7 +495,7 @@ def test_a_transpose_under_a_rule_of_the_user_keeps_its_rule():
         lossscale.Float8(), float32_gathers=True, model=_transposed, rules=rules
     )
     jaxpr = jax.make_jaxpr(step)(*args).jaxpr
-    assert _results(jaxpr, "all_gather") == ["bfloat16"] * 2
+    assert _results(jaxpr, "all_gather") == [gathered] * 2
     _float8_values_equal((step(*args), reference(*args)))
 
 
@@ -541,10 +546,11 @@ def test_matmuls_follow_the_weight_out_of_a_call_to_its_gather():
 
 
 @pytest.mark.parametrize("stored", ["float32", "bfloat16"])
-def test_matmuls_say_why_a_weight_is_gathered_as_it_is_stored(stored):
+def test_matmuls_say_why_a_float32_weight_is_gathered_in_float32(stored):
     # The gathered weight is also an output: nothing rounds it there, so
-    # it is gathered as it is stored, and the matmul's entry says why (it
-    # said only "float8").
+    # a float32 weight is gathered in float32, and the matmul's entry says
+    # why (it said only "float8"). A bfloat16 weight is gathered as it is
+    # stored, for no reason a reader gives: its entry names none.
     def loss(params, x, y):
         w = params["w1"].astype(stored)
         w = jax.lax.all_gather(w, AXIS, tiled=True)
@@ -552,9 +558,46 @@ def test_matmuls_say_why_a_weight_is_gathered_as_it_is_stored(stored):
 
     (found,) = _listed_in_shard_map(loss, "tensorwise")
     assert found.why == (
-        f"float8; its weight gathered in {stored}: it is read by the "
+        "float8; its weight gathered in float32: it is read by the "
         "function's output, not only as float8 matmuls' weight"
+        if stored == "float32"
+        else "float8"
     )
+
+
+def test_matmuls_follow_loop_inputs_to_the_gather_not_carries():
+    # A while loop's body reads the gathered weights as its constants:
+    # its matmuls name the gather. A scan whose carry starts as a
+    # gathered weight and becomes another: not named (the carry is not
+    # the gathered weight after the first step).
+    def loss_while(params, x, y):
+        w = jax.lax.all_gather(params["w1"], AXIS, tiled=True)
+
+        def body(c):
+            i, h = c
+            return i + 1, jnp.tanh(h @ w) @ w.T
+
+        return jnp.mean(jax.lax.while_loop(lambda c: c[0] < 3, body, (0, x))[1])
+
+    found = _listed_in_shard_map(loss_while, "tensorwise")
+    assert [m.why for m in found] == [
+        "float8; its weight gathered in float32: it is read by while, "
+        "not only as float8 matmuls' weight"
+    ] * 2
+
+    def loss_carry(params, x, y):
+        w = jax.lax.all_gather(params["w1"], AXIS, tiled=True)[:, :WIDTH]
+        other = params["w2"]  # its local shard, WIDTH x WIDTH
+
+        def body(c, _):
+            h, w = c
+            return (jnp.tanh(h @ w), other), None
+
+        (h, _), _ = jax.lax.scan(body, (x, w), None, length=3)
+        return jnp.mean(h)
+
+    (found,) = _listed_in_shard_map(loss_carry, "tensorwise")
+    assert found.why == "float8"
 
 
 def _listed_in_shard_map(model, recipe):

@@ -326,9 +326,9 @@ def quantized_gathers(
     gradient, so it is gathered in 16 bits: :func:`gathered_why`). Its
     result is then the float32 weight that the matmuls' gradients flow
     through, and each such rearrangement is marked ``carries_copy``: bound
-    in float32, it rearranges the float8 copy too (not one whose rule
-    the user overrode: ``rules={"transpose": "compute"}`` asks for it in
-    the compute dtype). ``config``: the autocast configuration. Returns,
+    in float32, it rearranges the float8 copy too (not one that a rule of
+    the user's asks to run in the compute dtype: ``rules={"transpose":
+    "compute"}``). ``config``: the autocast configuration. Returns,
     per narrow move, why it moves 16 bits (None: it moves float8), and
     per gather that moves float32 a weight float8 matmuls read, why (a
     reader that does not round it)."""
@@ -339,9 +339,14 @@ def quantized_gathers(
         node = nodes[eqn]
         if not node.narrow:
             record = jf.of[eqn].record
-            if record is not None and record.gathers:
-                # Gathered as it is (float32: a reader does not round
-                # it); why, for lossscale.matmuls' float8 matmuls.
+            if (
+                record is not None
+                and record.gathers
+                and node.outs == (Cls.F32,)
+                and jf.of[eqn].float32_in == (True,)
+            ):
+                # A float32 weight gathered in float32 (a reader does not
+                # round it): why, for lossscale.matmuls' float8 matmuls.
                 _, others = _copy_readers(jf, nodes, eqn.outvars[0], config)
                 if others:
                     whys[eqn] = _read_by(others)
@@ -419,7 +424,13 @@ def _copy_readers(
                 and record.rearranges
                 and len(reader.invars) == 1
             ):
-                if config.record(reader.primitive)[1] is not None:
+                override = config.record(reader.primitive)[1]
+                if dict(config.rules).get(override) not in (
+                    None,
+                    "float32",
+                    "original",
+                ):
+                    # Asked to run in the compute dtype: it rounds.
                     others.add(f"{name} (its rule overridden)")
                     continue
                 carriers.append(reader)

@@ -250,10 +250,8 @@ def _gathered(
 
 def _through(eqn: Any, sub: Any, gathered: Gathered) -> Gathered | None:
     """``gathered`` seen from inside the higher-order ``eqn`` whose jaxpr
-    ``sub`` plans: its inputs are ``eqn``'s operands in order (a call, a
-    checkpoint, a scan's consts, carry and stacked inputs) or all but the
-    first (a cond's branches, after the index); None elsewhere (a while
-    loop's body)."""
+    ``sub`` plans, for the inputs that are one of ``eqn``'s operands on
+    every iteration (:func:`_operands`); None where none is."""
     first = next(iter(sub.nodes), None)
     jaxpr = next(
         (j for j in _compat.sub_jaxprs(eqn) if any(e is first for e in j.eqns)),
@@ -261,12 +259,7 @@ def _through(eqn: Any, sub: Any, gathered: Gathered) -> Gathered | None:
     )
     if jaxpr is None:
         return None
-    operands = list(eqn.invars)
-    if len(jaxpr.invars) == len(operands) - 1 and eqn.primitive.name == "cond":
-        operands = operands[1:]
-    if len(jaxpr.invars) != len(operands):
-        return None
-    by_inner = dict(zip(jaxpr.invars, operands, strict=True))
+    by_inner = _operands(eqn, jaxpr)
 
     def outer(var: Any) -> str | None:
         atom = by_inner.get(var)
@@ -275,6 +268,35 @@ def _through(eqn: Any, sub: Any, gathered: Gathered) -> Gathered | None:
         )
 
     return outer
+
+
+def _operands(eqn: Any, jaxpr: Any) -> dict[Any, Any]:
+    """The inputs of ``eqn``'s ``jaxpr`` that are its operands: all, in
+    order, for a call (a jit, a checkpoint); a cond's branches take all
+    but the index; a scan's body its consts and its stacked inputs (a
+    slice of each), not its carry, which the body replaces; a while
+    loop's body its consts only. Empty where the layout is another."""
+    operands = list(eqn.invars)
+    name = eqn.primitive.name
+    inner = list(jaxpr.invars)
+    if name == "cond":
+        operands = operands[1:]
+    elif name == "scan":
+        start = eqn.params["num_consts"]
+        end = start + eqn.params["num_carry"]
+        operands = operands[:start] + operands[end:]
+        inner = inner[:start] + inner[end:]
+    elif name == "while":
+        body = eqn.params["body_jaxpr"].jaxpr
+        if getattr(jaxpr, "jaxpr", jaxpr) is not body:  # the cond's
+            return {}
+        start = eqn.params["cond_nconsts"]
+        count = eqn.params["body_nconsts"]
+        operands = operands[start : start + count]
+        inner = inner[:count]
+    if len(inner) != len(operands):
+        return {}
+    return dict(zip(inner, operands, strict=True))
 
 
 def _why(eqn: Any, node: Any, place: _Place) -> str:
