@@ -478,7 +478,12 @@ def test_float8_explicit_transposed_weight_is_resharded_in_float8():
 
 @pytest.mark.parametrize(
     ("rule", "gathered"),
-    [("compute", "bfloat16"), ("float32", "float8_e4m3fn")],
+    [
+        ("compute", "bfloat16"),
+        ("float32", "float8_e4m3fn"),
+        ("promote", "float8_e4m3fn"),
+        ("original", "float8_e4m3fn"),
+    ],
 )
 def test_a_transpose_under_a_rule_of_the_user_keeps_its_rule(rule, gathered):
     # rules={"transpose": "compute"}: the transposes run in bfloat16, as
@@ -486,7 +491,7 @@ def test_a_transpose_under_a_rule_of_the_user_keeps_its_rule(rule, gathered):
     # they ran in float32, and the gradients differed from the float32
     # gathers' program, whose matmuls quantise the rounded weight). The
     # weights are gathered rounded, which commutes with the transpose.
-    # Under "float32" they run in float32, and carry the copy.
+    # Under the other rules they run in float32, and carry the copy.
     rules = {"transpose": rule}
     step, args = _shard_map_step(
         lossscale.Float8(), model=_transposed, rules=rules

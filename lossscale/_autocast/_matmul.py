@@ -425,12 +425,9 @@ def _copy_readers(
                 and len(reader.invars) == 1
             ):
                 override = config.record(reader.primitive)[1]
-                if dict(config.rules).get(override) not in (
-                    None,
-                    "float32",
-                    "original",
-                ):
-                    # Asked to run in the compute dtype: it rounds.
+                if dict(config.rules).get(override) == "compute":
+                    # Asked to run in the compute dtype: it rounds (the
+                    # other rules keep a float32 operand float32).
                     others.add(f"{name} (its rule overridden)")
                     continue
                 carriers.append(reader)
