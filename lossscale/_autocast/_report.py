@@ -259,7 +259,8 @@ def _through(eqn: Any, sub: Any, gathered: Gathered) -> Gathered | None:
     )
     if jaxpr is None:
         return None
-    by_inner = _operands(eqn, jaxpr)
+    # A closed jaxpr on some JAX versions (sub_jaxprs finds its eqns).
+    by_inner = _operands(eqn, getattr(jaxpr, "jaxpr", jaxpr))
 
     def outer(var: Any) -> str | None:
         atom = by_inner.get(var)
@@ -282,13 +283,12 @@ def _operands(eqn: Any, jaxpr: Any) -> dict[Any, Any]:
     if name == "cond":
         operands = operands[1:]
     elif name == "scan":
-        start = eqn.params["num_consts"]
-        end = start + eqn.params["num_carry"]
+        start, carry = _compat.scan_counts(eqn.params)
+        end = start + carry
         operands = operands[:start] + operands[end:]
         inner = inner[:start] + inner[end:]
     elif name == "while":
-        body = eqn.params["body_jaxpr"].jaxpr
-        if getattr(jaxpr, "jaxpr", jaxpr) is not body:  # the cond's
+        if jaxpr is not eqn.params["body_jaxpr"].jaxpr:  # the cond's
             return {}
         start = eqn.params["cond_nconsts"]
         count = eqn.params["body_nconsts"]
