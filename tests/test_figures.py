@@ -259,17 +259,11 @@ FLOAT8_TRACE = ROOT / "benchmarks" / "RESULTS-float8-trace.md"
 
 
 def test_the_float8_page_quotes_the_recorded_trace_ratios():
-    rows: dict[tuple[str, str], dict[str, str]] = {}
-    columns: list[str] = []
-    for line in FLOAT8_TRACE.read_text().splitlines():
-        if not line.startswith("|") or "---" in line:
-            continue
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        if cells[0] == "layers":
-            columns = cells
-            continue
-        row = dict(zip(columns, cells, strict=True))
-        rows[row["layers"], row["variant"]] = row
+    (columns,) = _table_rows(FLOAT8_TRACE, "layers")
+    rows = {
+        (cells[0], cells[1]): dict(zip(columns, cells, strict=True))
+        for cells in _table_rows(FLOAT8_TRACE, "unrolled|scanned")
+    }
     recipes = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
     guide = re.sub(r"\s+", " ", FLOAT8_PAGE.read_text())
     for layout in ("unrolled", "scanned"):
