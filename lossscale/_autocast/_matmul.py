@@ -336,25 +336,26 @@ def quantized_gathers(
     if config.float8 is None:
         return whys
     for eqn in jf.eqns:
-        node = nodes[eqn]
-        if not node.narrow:
-            record = jf.of[eqn].record
-            if (
-                record is not None
-                and record.gathers
-                and node.outs == (Cls.F32,)
-                and jf.of[eqn].float32_in == (True,)
-            ):
-                # A float32 weight gathered in float32 (a reader does not
-                # round it): why, for lossscale.matmuls' float8 matmuls.
-                _, others = _copy_readers(jf, nodes, eqn.outvars[0], config)
-                if others:
-                    whys[eqn] = _read_by(others)
+        node, ef = nodes[eqn], jf.of[eqn]
+        # A float32 weight gathered as it is (a reader does not round
+        # it): only why, for lossscale.matmuls' float8 matmuls.
+        as_stored = (
+            not node.narrow
+            and ef.record is not None
+            and ef.record.gathers
+            and node.outs == (Cls.F32,)
+            and ef.float32_in == (True,)
+        )
+        if not (node.narrow or as_stored):
             continue
-        whys[eqn] = why = gathered_why(jf, nodes, eqn, config)
+        carriers, others = _copy_readers(jf, nodes, eqn.outvars[0], config)
+        if as_stored:
+            if others:
+                whys[eqn] = _read_by(others)
+            continue
+        whys[eqn] = why = gathered_why(jf, eqn, config.float8, others)
         if why is None:
             nodes[eqn] = node._replace(quantized=True, outs=(Cls.F32,))
-            carriers, _ = _copy_readers(jf, nodes, eqn.outvars[0], config)
             for carrier in carriers:
                 nodes[carrier] = nodes[carrier]._replace(
                     mode=Mode.FLOAT32,
@@ -367,13 +368,14 @@ def quantized_gathers(
 
 
 def gathered_why(
-    jf: JaxprFacts, nodes: Any, eqn: Any, config: Any
+    jf: JaxprFacts, eqn: Any, float8: Any, others: list[str]
 ) -> str | None:
     """Why the narrow move ``eqn`` moves its float32 weight in the compute
-    dtype, not in float8 (None: it can move float8)."""
+    dtype, not in float8 (None: it can move float8); ``others``: the
+    readers its float8 copy cannot reach (:func:`_copy_readers`)."""
     record = jf.of[eqn].record
     name = eqn.primitive.name
-    row = config.float8.row
+    row = float8.row
     if not row.weight_cast_once:
         if row.weight.rowwise:
             return (
@@ -385,7 +387,6 @@ def gathered_why(
         return f"a {name} moves a part of the weight, not a whole one"
     if eqn.params.get("axis_index_groups") is not None:
         return f"a {name} with axis_index_groups"
-    _, others = _copy_readers(jf, nodes, eqn.outvars[0], config)
     return _read_by(others) if others else None
 
 
