@@ -51,6 +51,28 @@ def _mlp(gather):
     return loss
 
 
+def _transposed(gather):
+    # x @ w.T, as weights stored [out, in] (PyTorch's layout, a tied
+    # embedding's output layer) are read.
+    def loss(params, x, y):
+        w1, w2 = gather(params["w1"]), gather(params["w2"])
+        h = jax.nn.relu(x @ w2.T)
+        return jnp.mean(jnp.square(h @ w1.T - y))
+
+    return loss
+
+
+def _rearranged(gather):
+    # A chain of rearrangements between the gather and the matmul.
+    def loss(params, x, y):
+        w1 = gather(params["w1"])
+        w2 = jnp.squeeze(jnp.expand_dims(gather(params["w2"]).T, 0), 0)
+        h = jax.nn.relu(x @ w1)
+        return jnp.mean(jnp.square(h @ w2.T - y))
+
+    return loss
+
+
 def _args(devices=4):
     keys = jax.random.split(jax.random.key(0), 4)
     params = {
@@ -306,11 +328,18 @@ def _float8_values_equal(results):
         np.testing.assert_array_equal(grad, ref_grad)
 
 
-@pytest.mark.parametrize("pow2", [False, True])
-def test_float8_shard_map_gathers_float8_and_keeps_the_values(pow2):
+# The gather's reader may be a transpose (a reshape, ...) that only the
+# float8 matmul reads: the float8 copy is rearranged with it. (x @ w.T was
+# gathered in bfloat16, and the matmul quantised the rounded weight, its
+# gradients off by float8 quanta.)
+@pytest.mark.parametrize(
+    ("model", "pow2"),
+    [(_mlp, False), (_mlp, True), (_transposed, False), (_rearranged, False)],
+)
+def test_float8_shard_map_gathers_float8_and_keeps_the_values(model, pow2):
     recipe = lossscale.Float8(power_of_two_scales=pow2)
-    step, args = _shard_map_step(recipe)
-    reference, _ = _shard_map_step(recipe, float32_gathers=True)
+    step, args = _shard_map_step(recipe, model=model)
+    reference, _ = _shard_map_step(recipe, float32_gathers=True, model=model)
     jaxpr = jax.make_jaxpr(step)(*args).jaxpr
     assert _results(jaxpr, "all_gather") == ["float8_e4m3fn"] * 2
     assert set(_results(jaxpr, "reduce_scatter")) == {"float32"}
@@ -330,11 +359,18 @@ def test_float8_shard_map_gathers_float8_and_keeps_the_values(pow2):
     ref_table = _table(reference.lower(*args).as_text(dialect="hlo"))
     assert _dtypes(ref_table, "all-gather") == {"f32"}
     _float8_values_equal((step(*args), reference(*args)))
+    found = _listed_in_shard_map(model(_all_gather(False)), "tensorwise")
+    assert [m.why for m in found] == [
+        "float8; its weight gathered in float8_e4m3fn"
+    ] * 2
 
 
-def test_float8_explicit_reshards_float8_and_keeps_the_values():
-    mesh, step, args = _explicit_step(lossscale.Float8())
-    _, reference, _ = _explicit_step(lossscale.Float8(), float32_gathers=True)
+@pytest.mark.parametrize("model", [_mlp, _transposed])
+def test_float8_explicit_reshards_float8_and_keeps_the_values(model):
+    mesh, step, args = _explicit_step(lossscale.Float8(), model=model)
+    _, reference, _ = _explicit_step(
+        lossscale.Float8(), float32_gathers=True, model=model
+    )
     with set_mesh(mesh):
         dtypes = _results(jax.make_jaxpr(step)(*args).jaxpr, "reshard")
         table = _table(step.lower(*args).compile(F8_UNWIDENED).as_text())
@@ -410,70 +446,6 @@ def test_float8_gather_between_a_float32_islands_equations():
 def test_matmuls_say_how_the_weight_was_gathered(recipe, why):
     found = _listed_in_shard_map(_mlp(_all_gather(False)), recipe)
     assert [(m.dtype, m.why) for m in found] == [("float8_e4m3fn", why)] * 2
-
-
-def _transposed(gather):
-    # x @ w.T, as weights stored [out, in] (PyTorch's layout, a tied
-    # embedding's output layer) are read.
-    def loss(params, x, y):
-        w1, w2 = gather(params["w1"]), gather(params["w2"])
-        h = jax.nn.relu(x @ w2.T)
-        return jnp.mean(jnp.square(h @ w1.T - y))
-
-    return loss
-
-
-def _rearranged(gather):
-    # A chain of rearrangements between the gather and the matmul.
-    def loss(params, x, y):
-        w1 = gather(params["w1"])
-        w2 = jnp.squeeze(jnp.expand_dims(gather(params["w2"]).T, 0), 0)
-        h = jax.nn.relu(x @ w1)
-        return jnp.mean(jnp.square(h @ w2.T - y))
-
-    return loss
-
-
-@pytest.mark.parametrize("model", [_transposed, _rearranged])
-def test_float8_transposed_weight_is_gathered_in_float8(model):
-    # The gather's reader is a transpose (a reshape, ...) that only the
-    # float8 matmul reads: the float8 copy is rearranged with it, so the
-    # weight is gathered in float8 and the values are the float32
-    # gathers' bit for bit. It was gathered in bfloat16, and the matmul
-    # quantised the rounded weight (its gradients off by float8 quanta).
-    step, args = _shard_map_step(lossscale.Float8(), model=model)
-    reference, _ = _shard_map_step(
-        lossscale.Float8(), float32_gathers=True, model=model
-    )
-    jaxpr = jax.make_jaxpr(step)(*args).jaxpr
-    assert _results(jaxpr, "all_gather") == ["float8_e4m3fn"] * 2
-    assert set(_results(jaxpr, "reduce_scatter")) == {"float32"}
-    table = _table(step.lower(*args).compile(F8_UNWIDENED).as_text())
-    assert _dtypes(table, "all-gather") == {"f8e4m3fn"}
-    assert _bytes(table, "all-gather") == F32_GATHER // 4
-    assert _dtypes(table, "reduce-scatter") == {"f32"}
-    ref_table = _table(reference.lower(*args).as_text(dialect="hlo"))
-    assert _dtypes(ref_table, "all-gather") == {"f32"}
-    _float8_values_equal((step(*args), reference(*args)))
-    found = _listed_in_shard_map(model(_all_gather(False)), "tensorwise")
-    assert [m.why for m in found] == [
-        "float8; its weight gathered in float8_e4m3fn"
-    ] * 2
-
-
-def test_float8_explicit_transposed_weight_is_resharded_in_float8():
-    mesh, step, args = _explicit_step(lossscale.Float8(), model=_transposed)
-    _, reference, _ = _explicit_step(
-        lossscale.Float8(), float32_gathers=True, model=_transposed
-    )
-    with set_mesh(mesh):
-        dtypes = _results(jax.make_jaxpr(step)(*args).jaxpr, "reshard")
-        table = _table(step.lower(*args).compile(F8_UNWIDENED).as_text())
-        results = step(*args), reference(*args)
-    assert dtypes.count("float8_e4m3fn") == 2 and "bfloat16" not in dtypes
-    assert _dtypes(table, "all-gather") == {"f8e4m3fn"}
-    assert _bytes(table, "all-gather") == F32_GATHER // 4
-    _float8_values_equal(results)
 
 
 @pytest.mark.parametrize(
