@@ -831,3 +831,193 @@ def test_a_quantized_weight_needs_a_recipe_that_casts_it_once():
         _fp8.dot_general(
             x, w, dims, lossscale.Float8("rowwise"), quantized_weight=copy
         )
+
+
+# --- the quantisation as one equation ---------------------------------------
+#
+# _scaling.quantize binds one primitive whose StableHLO is emitted by hand
+# (_compat.Hlo), from the same function of `ops` that _scaling.LAX traces
+# (_scaling._traced, the jit it falls back on): the two must agree to the
+# bit, in types, shardings and varying axes as well as in values.
+
+
+def quantisation_inputs(dtype, shape=(33, 17), seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape) * np.exp(rng.standard_normal(shape) * 4)
+    x = x.astype(np.float32)
+    x[..., 1] = 0.0  # a zero column, a zero row: their scales are capped
+    x[1] = 0.0
+    flat = x.reshape(-1)  # a view
+    flat[[3, 7, 11, 13]] = np.inf, -np.inf, 1e-40, np.nan  # 1e-40 subnormal
+    flat[-5:] = 1e30  # overflows 16-bit types to inf
+    return jnp.asarray(x).astype(dtype)
+
+
+def quantised_bits(pair):
+    """The float8 values and scales as integers: NaNs compared too."""
+    q, scale = (np.asarray(v) for v in pair)
+    return q.view(np.uint8), scale.view(np.uint32), scale.shape
+
+
+def lax_quantize(x, dtype, axes, pow2):
+    return _scaling._traced(x, np.dtype(dtype), axes, pow2)
+
+
+@pytest.mark.parametrize("source", [F32, BF16, np.float16, E4M3, np.float64])
+@pytest.mark.parametrize("axes", [None, (0,), (1,), (0, 1)])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("target", [E4M3, E5M2])
+def test_the_quantisation_equals_its_lax_operations(source, axes, pow2, target):
+    if source == np.float64 and not jax.config.jax_enable_x64:
+        source = F32  # jnp.asarray gives float32 then
+    x = quantisation_inputs(source)
+    want = quantised_bits(jax.jit(lax_quantize, static_argnums=(1, 2, 3))(
+        x, target, axes, pow2
+    ))  # fmt: skip
+    jitted = jax.jit(_scaling.quantize, static_argnums=(1, 2, 3))
+    for got in (jitted(x, target, axes, pow2), _scaling.quantize(
+        x, target, axes, pow2
+    )):  # fmt: skip
+        got = quantised_bits(got)
+        assert got[2] == want[2]
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_the_quantisation_of_an_empty_operand_equals_its_lax_operations():
+    for axes in (None, (0,), (1,)):
+        x = jnp.zeros((0, 4), jnp.bfloat16)
+        want = quantised_bits(lax_quantize(x, E4M3, axes, True))
+        got = quantised_bits(_scaling.quantize(x, E4M3, axes, True))
+        assert got[2] == want[2]
+        np.testing.assert_array_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("in_axis", [0, 1, 2])
+@pytest.mark.parametrize("axes", [None, (0,), (1,)])
+def test_vmap_of_the_quantisation_equals_vmap_of_its_lax_operations(
+    in_axis, axes
+):
+    # One scale per example: a per-tensor scale of each, or per row of each.
+    x = quantisation_inputs(BF16, (6, 5, 7))
+
+    def mapped(fun):
+        return jax.vmap(lambda v: fun(v, E5M2, axes, True), in_axes=in_axis)
+
+    want = quantised_bits(mapped(lax_quantize)(x))
+    for got in (
+        mapped(_scaling.quantize)(x),
+        jax.jit(mapped(_scaling.quantize))(x),
+    ):
+        got = quantised_bits(got)
+        assert got[2] == want[2]
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+
+
+def stablehlo_operations(lowered):
+    """The StableHLO operations of a lowered program, in order, the calls
+    and returns of its functions left out."""
+    ops = []
+    for line in lowered.as_text().splitlines():
+        for word in line.split():
+            if word.startswith("stablehlo.") and word != "stablehlo.return":
+                ops.append(word)
+    return ops
+
+
+@pytest.mark.parametrize("axes", [None, (1,)])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_the_quantisation_is_one_equation_lowered_to_its_operations(axes, pow2):
+    x = jnp.ones((8, 16), jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(
+        lambda x: _scaling.quantize(x, E4M3, axes, pow2)
+    )(x)  # fmt: skip
+    assert [e.primitive.name for e in equations(jaxpr)] == [
+        "lossscale_float8_quantize"
+    ]
+    # The negative control: the lax operations are a dozen equations.
+    traced = jax.make_jaxpr(lambda x: lax_quantize(x, E4M3, axes, pow2))(x)
+    assert len(list(equations(traced))) >= 10
+    # What XLA receives: the same operations, in the same order.
+    ops = stablehlo_operations(
+        jax.jit(lambda x: _scaling.quantize(x, E4M3, axes, pow2)).lower(x)
+    )
+    want = stablehlo_operations(
+        jax.jit(lambda x: lax_quantize(x, E4M3, axes, pow2)).lower(x)
+    )
+    assert ops == want
+    assert "stablehlo.reduce_precision" in ops
+
+
+def test_the_quantisation_under_explicit_axes_and_shard_map():
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices (conftest asks for 8 CPU devices)")
+    x = quantisation_inputs(BF16, (8, 12))
+    mesh = explicit_mesh((2, 2), ("a", "b"))
+    for axes in (None, (0,), (1,)):
+        with set_mesh(mesh):
+            xs = jax.device_put(x, jax.NamedSharding(mesh, P("a", "b")))
+            got = jax.jit(_scaling.quantize, static_argnums=(1, 2, 3))(
+                xs, E4M3, axes, True
+            )
+            want = jax.jit(lax_quantize, static_argnums=(1, 2, 3))(
+                xs, E4M3, axes, True
+            )
+        for g, w in zip(got, want, strict=True):
+            assert jax.typeof(g).sharding.spec == jax.typeof(w).sharding.spec
+        assert quantised_bits(got)[2] == quantised_bits(want)[2]
+        np.testing.assert_array_equal(
+            quantised_bits(got)[0], quantised_bits(want)[0]
+        )
+        np.testing.assert_array_equal(
+            quantised_bits(got)[1], quantised_bits(want)[1]
+        )
+
+    # Under shard_map, a varying operand's quantisation varies as it does:
+    # per device, its own scale.
+    flat = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+
+    def per_device(fun):
+        return jax.jit(
+            jax.shard_map(
+                lambda v: fun(v, E4M3, None, False),
+                mesh=flat,
+                in_specs=P("x"),
+                out_specs=(P("x"), P("x")),
+            )
+        )
+
+    def with_scale_axis(fun):
+        def quantised(v, *args):
+            q, scale = fun(v, *args)
+            return q, scale[None]
+
+        return quantised
+
+    x = quantisation_inputs(F32, (8, 12))
+    got = per_device(with_scale_axis(_scaling.quantize))(x)
+    want = per_device(with_scale_axis(lax_quantize))(x)
+    assert got[1].shape == (4,) and len(set(np.asarray(got[1]).tolist())) > 1
+    np.testing.assert_array_equal(
+        quantised_bits(got)[0], quantised_bits(want)[0]
+    )
+    np.testing.assert_array_equal(
+        quantised_bits(got)[1], quantised_bits(want)[1]
+    )
+
+
+def test_the_quantisation_exports_with_symbolic_shapes():
+    # Symbolic shapes are lowered by lax's own rules (the lax operations).
+    from jax import export
+
+    (b,) = export.symbolic_shape("b")
+    spec = jax.ShapeDtypeStruct((b, 16), jnp.bfloat16)
+    exported = export.export(
+        jax.jit(lambda v: _scaling.quantize(v, E4M3, (1,), True))
+    )(spec)
+    x = quantisation_inputs(BF16, (5, 16))
+    got = quantised_bits(exported.call(x))
+    want = quantised_bits(lax_quantize(x, E4M3, (1,), True))
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
