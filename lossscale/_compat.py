@@ -943,24 +943,32 @@ def bind_as_dot(jaxpr: Any, args: Sequence[Any]) -> Any:
 # symbolic shapes, under ``jax.export``), ``mlir.dtype_to_ir_type``,
 # ``mlir.ir_constant``, ``mlir.dense_int_array``, ``mlir.i32_attr``,
 # ``mlir.compare_hlo``, ``mlir.lower_with_sharding_in_types``, the ``hlo``
-# dialect's operations, ``batching.primitive_batchers`` and
+# dialect's operations, ``batching.primitive_batchers``,
+# ``ad.primitive_jvps``, ``ad.instantiate_zeros`` and
 # ``dispatch.apply_primitive``. If one is missing, :func:`lowered_primitive`
 # returns ``None`` and the caller traces the same operations with ``lax``.
 
 
 class HloValue:
-    """An MLIR value of a lowering, with its shape and dtype."""
+    """An MLIR value of a lowering, with its abstract value (shape, dtype,
+    sharding)."""
 
-    __slots__ = ("dtype", "shape", "value")
+    __slots__ = ("aval", "value")
 
-    def __init__(self, value: Any, shape: tuple[int, ...], dtype: Any):
-        self.value = value
-        self.shape = tuple(shape)
-        self.dtype = np.dtype(dtype)
+    def __init__(self, value: Any, aval: Any):
+        self.value, self.aval = value, aval
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.aval.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.aval.dtype)
 
     @property
     def ndim(self) -> int:
-        return len(self.shape)
+        return len(self.aval.shape)
 
 
 class Hlo:
@@ -968,11 +976,12 @@ class Hlo:
     into the lowering ``ctx``, as ``lax``'s own lowering rules emit them
     (``jax/_src/lax/lax.py``).
 
-    A value whose shape is that of one of the equation's operands or
-    results carries its sharding (what ``lax`` annotates under explicit
-    mesh axes); a scalar argument of a binary operation is a constant
-    broadcast to the other operand's shape, and a size-1 axis is
-    broadcast as ``lax`` broadcasts it."""
+    Each value carries the sharding ``lax`` would give it (an elementwise
+    result its operand's, a reduction's its operand's without the reduced
+    axes), with which it is annotated under explicit mesh axes; a scalar
+    argument of a binary operation is a constant broadcast to the other
+    operand's shape, and a size-1 axis is broadcast as ``lax`` broadcasts
+    it."""
 
     def __init__(self, ctx: Any):
         from jax._src.interpreters import mlir
@@ -980,20 +989,19 @@ class Hlo:
         from jaxlib.mlir.dialects import stablehlo
 
         self._ctx, self._mlir, self._ir, self._hlo = ctx, mlir, ir, stablehlo
-        self._shaped = {
-            tuple(a.shape): a for a in (*ctx.avals_out, *ctx.avals_in)
-        }
 
     def _type(self, shape: Sequence[int], dtype: Any) -> Any:
         element = self._mlir.dtype_to_ir_type(np.dtype(dtype))
         return self._ir.RankedTensorType.get(list(shape), element)
 
-    def _made(self, op: Any, shape: tuple[int, ...], dtype: Any) -> HloValue:
-        ref = self._shaped.get(tuple(shape))
-        if ref is not None:
-            aval = ref.update(shape=tuple(shape), dtype=np.dtype(dtype))
-            op = self._mlir.lower_with_sharding_in_types(self._ctx, op, aval)
-        return HloValue(op, shape, dtype)
+    def _made(self, op: Any, aval: Any) -> HloValue:
+        op = self._mlir.lower_with_sharding_in_types(self._ctx, op, aval)
+        return HloValue(op, aval)
+
+    def _like(self, x: HloValue, op: Any, dtype: Any = None) -> HloValue:
+        """``op``, of ``x``'s shape and sharding (and ``dtype``)."""
+        aval = x.aval if dtype is None else retyped(x.aval, np.dtype(dtype))
+        return self._made(op, aval)
 
     def _broadcast(self, x: Any, shape: tuple[int, ...], dtype: Any) -> Any:
         """``x`` (an ``HloValue`` of ``shape`` or with size-1 axes, or a
@@ -1012,7 +1020,8 @@ class Hlo:
 
     def _binary(self, op: Any, a: Any, b: Any) -> HloValue:
         values = [v for v in (a, b) if isinstance(v, HloValue)]
-        # A size-1 axis takes the other operand's size (0 included).
+        # A size-1 axis takes the other operand's size (0 included); the
+        # result is sharded as the operand of its shape.
         ranked = [v.shape for v in values if v.ndim] or [()]
         shape = functools.reduce(
             lambda s, t: tuple(
@@ -1020,15 +1029,18 @@ class Hlo:
             ),
             ranked,
         )
-        dtype = values[0].dtype
+        like = next(v for v in values if v.shape == shape)
         out = op(
-            self._broadcast(a, shape, dtype), self._broadcast(b, shape, dtype)
+            self._broadcast(a, shape, like.dtype),
+            self._broadcast(b, shape, like.dtype),
         )
-        return self._made(out, shape, dtype)
+        return self._like(like, out)
 
     def convert(self, x: HloValue, dtype: Any) -> HloValue:
+        if x.dtype == np.dtype(dtype):  # lax binds nothing
+            return x
         out = self._hlo.convert(self._type(x.shape, dtype), x.value)
-        return self._made(out, x.shape, dtype)
+        return self._like(x, out, dtype)
 
     def reduce_precision(
         self, x: HloValue, exponent_bits: int, mantissa_bits: int
@@ -1038,20 +1050,20 @@ class Hlo:
             self._mlir.i32_attr(exponent_bits),
             self._mlir.i32_attr(mantissa_bits),
         )
-        return self._made(out, x.shape, x.dtype)
+        return self._like(x, out)
 
     def abs(self, x: HloValue) -> HloValue:
-        return self._made(self._hlo.abs(x.value), x.shape, x.dtype)
+        return self._like(x, self._hlo.abs(x.value))
 
     def reduce_max(self, x: HloValue, axes: Sequence[int] | None) -> HloValue:
         """The largest element over ``axes`` (all of them if ``None``, a
         scalar), the reduced axes kept with size 1 otherwise."""
         reduced = list(range(x.ndim)) if axes is None else list(axes)
         kept = [d for d in range(x.ndim) if d not in reduced]
-        shape = tuple(x.shape[d] for d in kept)
+        aval = dropped_axes_aval(x.aval, reduced)
         lowest = self._mlir.ir_constant(np.array(-np.inf, x.dtype))
         op = self._hlo.ReduceOp(
-            [self._type(shape, x.dtype)],
+            [self._type(aval.shape, x.dtype)],
             [x.value],
             [lowest],
             self._mlir.dense_int_array(reduced),
@@ -1060,18 +1072,16 @@ class Hlo:
         block = op.regions[0].blocks.append(scalar, scalar)
         with self._ir.InsertionPoint(block):
             self._hlo.return_([self._hlo.maximum(*block.arguments)])
-        out = self._made(op.result, shape, x.dtype)
-        if axes is None:
+        out = self._made(op.result, aval)
+        if axes is None or not reduced:  # no axis to restore (as lax)
             return out
-        keepdims = tuple(
-            1 if d in reduced else x.shape[d] for d in range(x.ndim)
-        )
+        keepdims = reduced_aval(x.aval, reduced, x.dtype)
         value = self._hlo.broadcast_in_dim(
-            self._type(keepdims, x.dtype),
+            self._type(keepdims.shape, x.dtype),
             out.value,
             self._mlir.dense_int_array(kept),
         )
-        return self._made(value, keepdims, x.dtype)
+        return self._made(value, keepdims)
 
     def max(self, a: Any, b: Any) -> HloValue:
         return self._binary(self._hlo.maximum, a, b)
@@ -1090,17 +1100,17 @@ class Hlo:
 
     def bitcast(self, x: HloValue, dtype: Any) -> HloValue:
         out = self._hlo.bitcast_convert(self._type(x.shape, dtype), x.value)
-        return self._made(out, x.shape, dtype)
+        return self._like(x, out, dtype)
 
     def ne(self, a: HloValue, b: HloValue) -> HloValue:
         out = self._mlir.compare_hlo(a.value, b.value, "NE", "FLOAT")
-        return self._made(out, a.shape, np.bool_)
+        return self._like(a, out, np.bool_)
 
     def select(
         self, pred: HloValue, on_true: HloValue, on_false: HloValue
     ) -> HloValue:
         out = self._hlo.select(pred.value, on_true.value, on_false.value)
-        return self._made(out, on_true.shape, on_true.dtype)
+        return self._like(on_true, out)
 
 
 def lowered_primitive(
@@ -1119,7 +1129,7 @@ def lowered_primitive(
     what it needs."""
     try:
         from jax._src import dispatch
-        from jax._src.interpreters import batching, mlir
+        from jax._src.interpreters import ad, batching, mlir
         from jaxlib.mlir import ir
         from jaxlib.mlir.dialects import stablehlo as hlo
 
@@ -1143,17 +1153,43 @@ def lowered_primitive(
         ):  # symbolic (jax.export): lax's own lowering rules
             fun = functools.partial(traced, **params)
             return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)
-        values = [
-            HloValue(x, a.shape, a.dtype)
-            for x, a in zip(args, avals, strict=True)
-        ]
+        values = [HloValue(x, a) for x, a in zip(args, avals, strict=True)]
         return [v.value for v in lower(Hlo(ctx), *values, **params)]
+
+    def jvp(primals: Sequence[Any], tangents: Sequence[Any], **params: Any):
+        # Differentiated as the lax operations are (the float8 kernel never
+        # differentiates it: its custom_vjp stands in front).
+        tangents = [ad.instantiate_zeros(t) for t in tangents]
+        fun = functools.partial(traced, **params)
+        return jax.jvp(fun, tuple(primals), tuple(tangents))
 
     primitive.def_impl(functools.partial(dispatch.apply_primitive, primitive))
     primitive.def_abstract_eval(abstract_eval)
     mlir.register_lowering(primitive, lowering)
     batching.primitive_batchers[primitive] = batch
+    ad.primitive_jvps[primitive] = jvp
     return primitive
+
+
+def _spec(aval: Any) -> tuple[Any, ...]:
+    """``aval``'s partition spec, one entry an axis; unreduced (partial
+    sum) values are refused, as ``lax``'s elementwise rules refuse them."""
+    spec = aval.sharding.spec
+    if getattr(spec, "unreduced", None):
+        raise NotImplementedError(
+            f"a float8 quantisation of an unreduced value: {aval}"
+        )
+    old = tuple(spec)
+    return old + (None,) * (len(aval.shape) - len(old))
+
+
+def dropped_axes_aval(aval: Any, axes: Sequence[int]) -> Any:
+    """The abstract value of a reduction of ``aval`` over ``axes``, the
+    axes dropped (as ``lax.reduce_max``'s)."""
+    entries = [e for d, e in enumerate(_spec(aval)) if d not in axes]
+    shape = tuple(n for d, n in enumerate(aval.shape) if d not in axes)
+    sharding = aval.sharding.update(spec=jax.sharding.PartitionSpec(*entries))
+    return aval.update(shape=shape, weak_type=False, sharding=sharding)
 
 
 def reduced_aval(aval: Any, axes: Sequence[int] | None, dtype: Any) -> Any:
@@ -1161,13 +1197,12 @@ def reduced_aval(aval: Any, axes: Sequence[int] | None, dtype: Any) -> Any:
     them if ``None``: a scalar), the reduced axes kept with size 1
     otherwise; a reduced axis is not sharded (as ``lax``'s reductions'
     are not)."""
+    old = _spec(aval)
     if axes is None:
         shape: tuple[Any, ...] = ()
         entries: list[Any] = []
     else:
         shape = tuple(1 if d in axes else n for d, n in enumerate(aval.shape))
-        old = tuple(aval.sharding.spec)
-        old = old + (None,) * (aval.ndim - len(old))
         entries = [None if d in axes else old[d] for d in range(aval.ndim)]
     sharding = aval.sharding.update(spec=jax.sharding.PartitionSpec(*entries))
     return aval.update(

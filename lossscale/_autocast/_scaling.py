@@ -203,6 +203,12 @@ def quantize(
     quantisation's traced form cost a scanned float8 step 1.21x-1.28x
     bfloat16 autocast's trace and lowering (``benchmarks/float8_trace.py``)."""
     dtype, pow2 = np.dtype(dtype), bool(pow2)
+    if axes is not None:
+        axes = tuple(int(a) for a in axes)
+        if any(not 0 <= a < np.ndim(x) for a in axes):
+            raise ValueError(
+                f"axes must be axes of x (ndim {np.ndim(x)}), got axes={axes}."
+            )
     if _QUANTIZE is None:  # pragma: no cover - every supported JAX
         return _traced(x, dtype, axes, pow2)
     q, scale = _QUANTIZE.bind(x, dtype=dtype, axes=axes, pow2=pow2)
