@@ -164,9 +164,14 @@ def spec(value: Any) -> tuple[Any, ...]:
     Under a mesh with ``AxisType.Explicit`` axes the sharding is part of
     the type; under ``Auto`` axes (or none) every entry reads ``None``.
     """
-    sharding = getattr(jax.typeof(value), "sharding", None)
+    return aval_spec(jax.typeof(value))
+
+
+def aval_spec(aval: Any) -> tuple[Any, ...]:
+    """The partition spec in an abstract value, one entry per axis."""
+    sharding = getattr(aval, "sharding", None)
     entries = tuple(getattr(sharding, "spec", ()) or ())
-    return entries + (None,) * (jnp.ndim(value) - len(entries))
+    return entries + (None,) * (len(aval.shape) - len(entries))
 
 
 def like_sharding(value: Any, reference: Any) -> Any:
@@ -1174,13 +1179,11 @@ def lowered_primitive(
 def _spec(aval: Any) -> tuple[Any, ...]:
     """``aval``'s partition spec, one entry an axis; unreduced (partial
     sum) values are refused, as ``lax``'s elementwise rules refuse them."""
-    spec = aval.sharding.spec
-    if getattr(spec, "unreduced", None):
+    if getattr(aval.sharding.spec, "unreduced", None):
         raise NotImplementedError(
             f"a float8 quantisation of an unreduced value: {aval}"
         )
-    old = tuple(spec)
-    return old + (None,) * (len(aval.shape) - len(old))
+    return aval_spec(aval)
 
 
 def dropped_axes_aval(aval: Any, axes: Sequence[int]) -> Any:
