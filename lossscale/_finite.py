@@ -1,4 +1,4 @@
-"""The finiteness check: one flag per leaf, agreed across devices."""
+"""The finiteness check: one flag per group of leaves, agreed across devices."""
 
 from __future__ import annotations
 
@@ -115,6 +115,52 @@ def _conjunction(flags: Sequence[jax.Array]) -> jax.Array:
 def _default_flags(leaves: Sequence[jax.Array]) -> list[jax.Array]:
     """One finiteness flag per leaf on GPU, TPU and other backends."""
     return [leaf_finite(x) for x in leaves]
+
+
+# On a GPU every reduction is a kernel launch (two for a large one, which
+# XLA splits), and one reduction per leaf, as flax's DynamicScale and
+# optax.apply_if_finite make, was 80 of the loss-scaled step's 133 kernels
+# for 40 leaves on an H200 (benchmarks/RESULTS-gpu-hlo.md). Leaves whose
+# type shows that each device holds them whole are ravelled, concatenated
+# and reduced once: XLA fuses the concatenation into the reduction's
+# input, so no copy is made and each gradient is still read once. A
+# fusion takes a bounded number of operands (XLA materialised the
+# concatenation of 96 leaves, not of 80, in benchmarks/gpu_hlo.py), so at
+# most _GPU_OPERANDS leaves go into one reduction. Leaves of 16 bits or
+# fewer are widened to float32 (exactly: inf and NaN stay so), wider ones
+# keep their dtype (a float64 past float32's range is finite).
+_GPU_OPERANDS = 64
+
+
+def _exact_dtype(x: jax.Array) -> Any:
+    return jnp.promote_types(x.dtype, jnp.float32)
+
+
+def _gpu_all_finite(leaves: Sequence[jax.Array]) -> jax.Array:
+    """Whether every leaf is finite, in a few kernels on a GPU; see above.
+
+    A leaf whose type does not show that each device holds it whole
+    (sharded, or under automatic mesh axes, or on a host of several
+    devices with no mesh in context) is reduced alone: concatenating it
+    would move it between devices first.
+    """
+    hidden = _compat.shardings_hidden()
+    flags = []
+    by_key: dict[Any, list[jax.Array]] = {}
+    for x in leaves:
+        if hidden or any(entry is not None for entry in _compat.spec(x)):
+            flags.append(leaf_finite(x))
+        else:
+            by_key.setdefault((_exact_dtype(x), _compat.vma(x)), []).append(x)
+    for (dtype, _), group in by_key.items():
+        for start in range(0, len(group), _GPU_OPERANDS):
+            chunk = group[start : start + _GPU_OPERANDS]
+            if len(chunk) == 1:
+                flags.append(leaf_finite(chunk[0]))
+            else:
+                flat = [jnp.ravel(x).astype(dtype) for x in chunk]
+                flags.append(leaf_finite(jnp.concatenate(flat)))
+    return _conjunction(flags)
 
 
 def _axes(axis_name: AxisName) -> tuple[Hashable, ...]:
@@ -259,18 +305,28 @@ def _check(
 
     def flags(
         platform_flags: Callable[[Sequence[jax.Array]], list[jax.Array]],
+        platform_all: Callable[[Sequence[jax.Array]], jax.Array] | None = None,
     ) -> jax.Array:
         # Per-leaf flags (concatenated) if per_leaf, else per-group ones.
+        if not per_leaf and platform_all is not None:
+            return jnp.stack([platform_all(group) for group in groups])
         out = [platform_flags(group) for group in groups]
         if per_leaf:
             flat = [flag for group in out for flag in group]
             return jnp.stack(flat) if flat else jnp.ones((0,), jnp.bool_)
         return jnp.stack([_conjunction(group) for group in out])
 
+    def gpu() -> jax.Array:
+        # Per-leaf flags (report_nonfinite) take a reduction per leaf.
+        return flags(_default_flags, _gpu_all_finite)
+
     # One platform switch for the whole check (not one per leaf: each is a
     # conditional until XLA folds it, and they add up in compile time).
     ok = lax.platform_dependent(
-        cpu=lambda: flags(_cpu_flags), default=lambda: flags(_default_flags)
+        cpu=lambda: flags(_cpu_flags),
+        cuda=gpu,
+        rocm=gpu,
+        default=lambda: flags(_default_flags),
     )
     refuse_disagreement(ok, axis_name)
     if axis_name is not None:

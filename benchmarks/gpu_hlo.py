@@ -1,0 +1,598 @@
+"""GPU kernels without a GPU: what XLA compiles a jitted step into for an
+NVIDIA H200 (or H100), counted in the optimized HLO, on a CPU machine.
+
+XLA's GPU compiler runs without a device when it is given the device's
+description (``gpu_specs/*.txtpb``, a ``stream_executor`` target config):
+``jax.experimental.topologies.get_topology_desc(platform="cuda",
+target_config=...)`` makes compile-only devices of it, and a step lowered
+with arguments placed on them compiles for that GPU (sm_90, its fusion and
+GEMM rewrites) on this CPU. It needs only the CUDA plugin of the installed
+jaxlib, not CUDA, a driver or a GPU::
+
+    version=$(python -c 'import jax; print(jax.__version__)')
+    pip install "jax[cuda13-local]==$version"
+    JAX_PLATFORMS=cpu python benchmarks/gpu_hlo.py [--target h200] [--quick]
+        [--sections optimizer,leaves,mlp,autocast] [--out FILE]
+
+``JAX_PLATFORMS=cpu`` keeps JAX from initialising the plugin as a backend
+(it would look for a GPU and print why it found none); the topology loads
+the plugin by itself.
+
+What is counted (:func:`census`): every instruction of the entry
+computation that launches work on the GPU (a fusion, a custom call such as
+a cuBLAS GEMM, a copy, an unfused operation), and a while loop's body and
+condition once per iteration where XLA knows the trip count (a scan over
+layers). Parameters, constants, tuples, bitcasts and get-tuple-elements
+launch nothing. Not counted: what the runtime does with them (XLA:GPU may
+capture runs of kernels into CUDA graphs at execution), and autotuning,
+which needs the device: a GEMM may be compiled as a Triton fusion here and
+picked as cuBLAS on the GPU, or the reverse (both are GEMMs in the census).
+``bytes`` is each non-GEMM kernel's operands and results added up (of a
+dynamic slice or an in-place update, the slice): the memory traffic,
+about, of everything but the GEMMs, which a GPU's bandwidth bounds below
+(4.8 TB/s on an H200: 1 ms per 4.8 GB).
+
+Kernel counts are deterministic for one jax version and target; times
+are not measured here (``gpu.sh`` measures them on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import functools
+import importlib.util
+import math
+import pathlib
+import re
+import sys
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+HERE = pathlib.Path(__file__).resolve().parent
+SPECS = HERE / "gpu_specs"
+TARGETS = tuple(sorted(p.stem for p in SPECS.glob("*.txtpb")))
+
+
+def _sibling(name: str) -> Any:
+    """A module of this folder (``benchmarks/`` is not a package)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- the compile-only GPU ---------------------------------------------------
+
+
+def _install_hint() -> str:
+    return (
+        'pip install "jax[cuda13-local]=='
+        f'{jax.__version__}" (the CUDA plugin of this jaxlib; no GPU needed)'
+    )
+
+
+@functools.cache
+def _devices(target: str) -> tuple[Any, ...]:
+    if target not in TARGETS:
+        raise ValueError(f"target={target!r}: expected one of {TARGETS}")
+    from jax.experimental import topologies
+
+    config = (SPECS / f"{target}.txtpb").read_text()
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=config, topology="1x1x1"
+        )
+    except Exception as err:  # no plugin: a RuntimeError or a KeyError
+        raise RuntimeError(
+            f"cannot compile for a CUDA GPU here ({type(err).__name__}: "
+            f"{err}); {_install_hint()}"
+        ) from err
+    return tuple(topology.devices)
+
+
+def unavailable(target: str = "h200") -> str | None:
+    """Why this machine cannot compile for ``target`` (None if it can)."""
+    try:
+        _devices(target)
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def device_kind(target: str = "h200") -> str:
+    return _devices(target)[0].device_kind
+
+
+def compile_hlo(
+    fn: Any, *args: Any, target: str = "h200", donate_argnums: Any = ()
+) -> tuple[str, Any]:
+    """``jax.jit(fn)`` compiled for ``target`` with arguments shaped like
+    ``args`` (arrays or ``ShapeDtypeStruct``s): its optimized HLO text and
+    the compiled object (``memory_analysis`` works on it; it cannot run).
+
+    The arguments are flattened to arrays before lowering, so that a state
+    whose pytree class rejects abstract leaves (jmp's loss scales) lowers
+    too; ``donate_argnums`` indexes ``args``, as for ``jax.jit``.
+    """
+    (device,) = _devices(target)
+    mesh = jax.sharding.Mesh(np.asarray([device]), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    donate = (
+        (donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums
+    )
+    flat, treedefs, positions = [], [], []
+    for i, arg in enumerate(args):
+        leaves, treedef = jax.tree.flatten(arg)
+        treedefs.append(treedef)
+        if i in donate:
+            positions.extend(range(len(flat), len(flat) + len(leaves)))
+        flat.extend(leaves)
+    sizes = [t.num_leaves for t in treedefs]
+
+    def flat_fn(*leaves: Any) -> Any:
+        rebuilt, start = [], 0
+        for treedef, size in zip(treedefs, sizes, strict=True):
+            rebuilt.append(
+                jax.tree.unflatten(treedef, leaves[start : start + size])
+            )
+            start += size
+        return fn(*rebuilt)
+
+    abstract = [
+        jax.ShapeDtypeStruct(
+            jnp.shape(x), jnp.result_type(x), sharding=sharding
+        )
+        for x in flat
+    ]
+    # Traced under the GPU's one-device mesh, as on a machine with one GPU:
+    # with no mesh in context, a host of several devices (the tests' eight
+    # simulated CPUs) would hide the arguments' sharding from the trace.
+    set_mesh = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh
+    with set_mesh(mesh):
+        lowered = jax.jit(flat_fn, donate_argnums=tuple(positions)).lower(
+            *abstract
+        )
+    compiled = lowered.compile()
+    return compiled.as_text() or "", compiled
+
+
+# --- the census -------------------------------------------------------------
+
+# Instructions that launch nothing on the GPU.
+_FREE = frozenset(
+    {
+        "parameter",
+        "constant",
+        "get-tuple-element",
+        "tuple",
+        "bitcast",
+        "after-all",
+        "opt-barrier",
+        "partition-id",
+        "replica-id",
+    }
+)
+_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1,
+    "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e8m0fnu": 1, "s4": 1, "u4": 1,
+    "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+    "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8,
+    "c64": 8, "c128": 16,
+}  # fmt: skip
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(ENTRY )?%(\S+) .*\{$")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CALLED = re.compile(r"\b(?:body|condition)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_FUSION_KIND = re.compile(r"\bkind=(\w+)")
+_BACKEND_KIND = re.compile(r'"kind":"([^"]+)"')
+
+
+def _type_bytes(text: str) -> int:
+    total = 0
+    for dtype, dims in _ARRAY.findall(text):
+        n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+        total += n * _BYTES.get(dtype, 4)
+    return total
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+    """``(type, remainder)`` of an instruction's right-hand side."""
+    rest = rest.lstrip()
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                return rest[: i + 1], rest[i + 1 :]
+    head, _, tail = rest.partition(" ")
+    return head, tail
+
+
+class _Instruction(NamedTuple):
+    name: str
+    type: str
+    op: str
+    operands: tuple[str, ...]
+    line: str
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[_Instruction]], str]:
+    comps: dict[str, list[_Instruction]] = {}
+    current, entry = None, ""
+    for line in hlo.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            current = header.group(2)
+            comps[current] = []
+            if header.group(1):
+                entry = current
+        elif line.startswith("}"):
+            current = None
+        elif current is not None and " = " in line:
+            lhs, rest = line.split(" = ", 1)
+            name = lhs.strip().removeprefix("ROOT ").strip().lstrip("%")
+            typ, rest = _split_type(rest)
+            op, _, args = rest.strip().partition("(")
+            depth, end = 1, len(args)
+            for i, ch in enumerate(args):
+                depth += {"(": 1, ")": -1}.get(ch, 0)
+                if depth == 0:
+                    end = i
+                    break
+            operands = tuple(re.findall(r"%([\w.\-]+)", args[:end]))
+            comps[current].append(_Instruction(name, typ, op, operands, line))
+    if not entry:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return comps, entry
+
+
+def _kind(inst: _Instruction) -> str:
+    if inst.op == "fusion":
+        kind = _FUSION_KIND.search(inst.line)
+        label = f"fusion:{kind.group(1) if kind else '?'}"
+        backend = _BACKEND_KIND.search(inst.line)
+        if label == "fusion:kCustom" and backend:
+            label += f":{backend.group(1)}"
+        return label
+    if inst.op == "custom-call":
+        target = _TARGET.search(inst.line)
+        return f"custom-call:{target.group(1) if target else '?'}"
+    return inst.op
+
+
+def is_gemm(kind: str) -> bool:
+    """Whether a census kind is a matrix multiplication's kernel."""
+    return (
+        kind.startswith("custom-call:__cublas")
+        or kind.startswith("custom-call:__cudnn")
+        or (kind.startswith("fusion:kCustom:") and "gemm" in kind)
+        or kind.endswith(":__cudnn$fusion")
+        or kind == "dot"
+    )
+
+
+@dataclasses.dataclass
+class Census:
+    """The kernels of one compiled program, per step.
+
+    Attributes:
+        kinds: kernels launched per step, by kind (``fusion:kLoop``,
+            ``fusion:kInput`` (a reduction), ``custom-call:<target>``,
+            ``copy``, ...); a while loop's kernels times its trip count.
+        static: kernels in the program text (a loop body once).
+        bytes: operand and result bytes of the non-GEMM kernels per step.
+        loops: the trip counts of the while loops (an unknown one as 1).
+    """
+
+    kinds: collections.Counter
+    static: int
+    bytes: int
+    loops: list[int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.kinds.values())
+
+    @property
+    def gemms(self) -> int:
+        return sum(n for k, n in self.kinds.items() if is_gemm(k))
+
+    @property
+    def fp8_gemms(self) -> int:
+        return self.kinds.get("custom-call:__cublas$lt$matmul$f8", 0)
+
+    @property
+    def reductions(self) -> int:
+        return self.kinds.get("fusion:kInput", 0)
+
+    @property
+    def others(self) -> int:
+        """Kernels that are neither GEMMs nor reductions."""
+        return self.total - self.gemms - self.reductions
+
+
+def _moved(inst: _Instruction, types: dict[str, str]) -> int:
+    """The bytes a kernel reads and writes: its operands and results, but
+    only the slice of a buffer that a dynamic slice reads or a dynamic
+    update writes in place (a scan's stacked inputs and residuals)."""
+    operands = [types.get(o, "") for o in inst.operands]
+    if "dynamic_update_slice" in inst.name or inst.op == "dynamic-update-slice":
+        return 2 * sum(_type_bytes(t) for t in operands if t != inst.type)
+    if "dynamic_slice" in inst.name or inst.op == "dynamic-slice":
+        return 2 * _type_bytes(inst.type)
+    return _type_bytes(inst.type) + sum(_type_bytes(t) for t in operands)
+
+
+def census(hlo: str) -> Census:
+    """Counts the kernels of an optimized HLO module's text (see above)."""
+    comps, entry = _computations(hlo)
+    kinds: collections.Counter = collections.Counter()
+    static, nbytes, loops = 0, 0, []
+
+    def walk(name: str, times: int) -> None:
+        nonlocal static, nbytes
+        types = {inst.name: inst.type for inst in comps[name]}
+        for inst in comps[name]:
+            if inst.op in _FREE:
+                continue
+            if inst.op in ("while", "conditional", "call"):
+                trip = _TRIP.search(inst.line)
+                n = int(trip.group(1)) if trip and inst.op == "while" else 1
+                if inst.op == "while":
+                    loops.append(n)
+                called = _CALLED.findall(inst.line)
+                branches = _BRANCHES.search(inst.line)
+                if branches:
+                    # A conditional runs one branch: count the first.
+                    called.append(branches.group(1).split(",")[0].strip(" %"))
+                if inst.op == "call":
+                    called += re.findall(r"to_apply=%([\w.\-]+)", inst.line)
+                for sub in called:
+                    if sub in comps:
+                        walk(sub, times * n)
+                if inst.op == "conditional":
+                    kinds["conditional"] += times
+                    static += 1
+                continue
+            kind = _kind(inst)
+            kinds[kind] += times
+            static += 1
+            if not is_gemm(kind):
+                nbytes += _moved(inst, types) * times
+
+    walk(entry, 1)
+    return Census(kinds, static, nbytes, loops)
+
+
+# --- what is compiled -------------------------------------------------------
+
+
+def optimizer_census(
+    n_params: int, leaves: int, target: str, variants: Any = None
+) -> dict[str, Census]:
+    """The optimizer-only variants of ``step_overhead.py`` (all, or those
+    named in ``variants``): adam, float32, the gradients scaled by 2**10,
+    params and state donated."""
+    so = _sibling("step_overhead")
+    inner = optax.adam(1e-3)
+    params = so.make_params(n_params, leaves)
+    grads = jax.tree.map(lambda p: p * 2.0**10, params)
+    out = {}
+    for name, make in so.OPTIMIZER_VARIANTS.items():
+        if variants is not None and name not in variants:
+            continue
+        init, step = make(inner)
+        hlo, _ = compile_hlo(
+            step,
+            params,
+            init(params),
+            grads,
+            target=target,
+            donate_argnums=(0, 1),
+        )
+        out[name] = census(hlo)
+    return out
+
+
+def mlp_census(
+    width: int, depth: int, batch: int, target: str
+) -> dict[str, Census]:
+    """The float16 MLP's full train step (``step_overhead.full_step``)."""
+    so = _sibling("step_overhead")
+    params, loss_fn = so.mlp_problem(width, depth, batch)
+    inner = optax.adam(1e-4)
+    tx = so.lossscale.loss_scaled(inner, so.lossscale.DynamicLossScale(2.0**10))
+
+    def by_hand(params, state):
+        grads = jax.grad(lambda p: loss_fn(p) * 2.0**10)(params)
+        grads = jax.tree.map(lambda g: g * 2.0**-10, grads)
+        updates, state = inner.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    def wrapped(params, state):
+        scale = so.lossscale.get_loss_scale(state)
+        grads = jax.grad(lambda p: scale.scale(loss_fn(p)))(params)
+        updates, state = tx.update(grads, state, params, scaled_by=scale)
+        return optax.apply_updates(params, updates), state
+
+    steps = {
+        "plain optax, loss scaled by hand": (by_hand, inner.init),
+        "lossscale": (wrapped, tx.init),
+    }
+    out = {}
+    for name, (step, init) in steps.items():
+        hlo, _ = compile_hlo(
+            step, params, init(params), target=target, donate_argnums=(0, 1)
+        )
+        out[name] = census(hlo)
+    return out
+
+
+def autocast_census(
+    config: Any, target: str, remat: str | None = None
+) -> dict[str, tuple[Census, float, float]]:
+    """The demo GPT's train step (``float8.py``'s variants): the census,
+    the temporary memory (MB) and the compile time (s) of each."""
+    bench = _sibling("float8")
+    config = dataclasses.replace(config, remat=remat)
+    out = {}
+    for name in bench.VARIANTS:
+        step, args, _ = bench.build(name, config)
+        start = time.perf_counter()
+        hlo, compiled = compile_hlo(step, *args, target=target)
+        seconds = time.perf_counter() - start
+        temp = compiled.memory_analysis().temp_size_in_bytes / 1e6
+        out[name] = (census(hlo), temp, seconds)
+    return out
+
+
+# --- the report -------------------------------------------------------------
+
+
+def _kinds_cell(c: Census) -> str:
+    return ", ".join(f"{k} {n}" for k, n in sorted(c.kinds.items()))
+
+
+def _added_table(rows: dict[str, Census], base: str, title: str) -> list[str]:
+    lines = [
+        f"### {title}",
+        "",
+        f"| variant | kernels | added to {base} | reductions | copies | "
+        "bytes moved, MB |",
+        "|---|---|---|---|---|---|",
+    ]
+    ref = rows[base].total
+    for name, c in rows.items():
+        lines.append(
+            f"| {name} | {c.total} | {c.total - ref:+d} | {c.reductions} "
+            f"| {c.kinds.get('copy', 0)} | {c.bytes / 1e6:.1f} |"
+        )
+    return [*lines, ""]
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "").splitlines()[0]
+    )
+    parser.add_argument("--target", default="h200", choices=TARGETS)
+    parser.add_argument(
+        "--sections", default="optimizer,leaves,mlp,autocast",
+        help="comma-separated: optimizer, leaves, mlp, autocast",
+    )  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="small sizes")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    why = unavailable(args.target)
+    if why:
+        raise SystemExit(why)
+    sections = args.sections.split(",")
+    import flax
+
+    import lossscale
+
+    lines = [
+        "# GPU kernels, compiled without a GPU",
+        "",
+        f"Compiled {datetime.date.today()} for `{args.target}` "
+        f"({device_kind(args.target)}, `benchmarks/gpu_specs/"
+        f"{args.target}.txtpb`) on a CPU machine by `python "
+        f"benchmarks/gpu_hlo.py{' --quick' if args.quick else ''}`: jax "
+        f"{jax.__version__} with its CUDA plugin, optax {optax.__version__}, "
+        f"flax {flax.__version__}, lossscale {lossscale.__version__}. Kernels "
+        "launched per step, counted in XLA's optimized GPU module "
+        "(`benchmarks/gpu_hlo.py`'s docstring says what counts); no GEMM "
+        "autotuning (that needs the GPU). Deterministic: these are counts, "
+        "not times.",
+        "",
+    ]
+    sizes = [1_000_000] if args.quick else [1_000_000, 10_000_000, 20_000_000]
+    if "optimizer" in sections:
+        lines += ["## Optimizer-only step (adam, float32, 40 leaves)", ""]
+        for n in sizes:
+            rows = optimizer_census(n, 40, args.target)
+            lines += _added_table(
+                rows, "plain optax", f"{n // 10**6}M parameters"
+            )
+    if "leaves" in sections:
+        counts = (4, 40) if args.quick else (4, 40, 160)
+        lines += [
+            "## Kernels added to plain optax, by leaf count (1M parameters)",
+            "",
+            "| variant | " + " | ".join(f"{n} leaves" for n in counts) + " |",
+            "|---|" + "---|" * len(counts),
+        ]
+        by_leaves = {
+            n: optimizer_census(1_000_000, n, args.target) for n in counts
+        }
+        for name in by_leaves[counts[0]]:
+            cells = [
+                f"{rows[name].total - rows['plain optax'].total:+d}"
+                for rows in (by_leaves[n] for n in counts)
+            ]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if "mlp" in sections:
+        width, depth, batch = (256, 2, 64) if args.quick else (1024, 4, 256)
+        rows = mlp_census(width, depth, batch, args.target)
+        base = "plain optax, loss scaled by hand"
+        lines += _added_table(
+            rows, base,
+            f"Full train step: float16 MLP, width {width}, depth {depth}, "
+            f"batch {batch}",
+        )  # fmt: skip
+    if "autocast" in sections:
+        gpt = _sibling("float8").gpt
+        config = (
+            gpt.Config(layers=2, width=128, heads=4, context=64, batch=2)
+            if args.quick
+            else gpt.Config(
+                layers=12, width=1024, heads=16, context=1024, batch=8
+            )
+        )
+        policies = (
+            [None] if args.quick else [None, "dots_with_no_batch_dims_saveable"]
+        )
+        for remat in policies:
+            rows = autocast_census(config, args.target, remat)
+            lines += [
+                f"## The demo GPT's train step: layers {config.layers}, width "
+                f"{config.width}, heads {config.heads}, batch {config.batch} "
+                f"x {config.context}, remat {remat or 'none'}",
+                "",
+                "Per step (the scanned layers' body times its trip count "
+                f"{sorted(set(rows[next(iter(rows))][0].loops)) or '-'}).",
+                "",
+                "| variant | kernels | GEMMs | float8 GEMMs | reductions | "
+                "other kernels | non-GEMM bytes, MB | temp MB | compile s |",
+                "|---|---|---|---|---|---|---|---|---|",
+            ]
+            for name, (c, temp, seconds) in rows.items():
+                lines.append(
+                    f"| {name} | {c.total} | {c.gemms} | {c.fp8_gemms} | "
+                    f"{c.reductions} | {c.others} | {c.bytes / 1e6:.0f} | "
+                    f"{temp:.0f} | {seconds:.1f} |"
+                )
+            lines.append("")
+    report = "\n".join(lines)
+    print(report)
+    if args.out:
+        pathlib.Path(args.out).write_text(report)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""What loss scaling adds to a step on a GPU, read without one.
+
+Two levels. The StableHLO that ``jax.export`` lowers for CUDA on this CPU
+machine needs nothing but JAX: its reductions are the finiteness check's.
+The kernels of XLA's optimized GPU module (``benchmarks/gpu_hlo.py``)
+need the CUDA plugin of this jaxlib (CI's ``.venv-gpu-hlo`` stage has it);
+without it those tests skip, saying so.
+"""
+
+import importlib.util
+import math
+import pathlib
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax import export
+
+import lossscale
+from lossscale import _finite
+from tests.helpers import explicit_mesh, set_mesh
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location(
+    "gpu_hlo", ROOT / "benchmarks" / "gpu_hlo.py"
+)
+gpu_hlo = importlib.util.module_from_spec(spec)
+sys.modules["gpu_hlo"] = gpu_hlo  # its dataclass looks its module up
+spec.loader.exec_module(gpu_hlo)
+
+pytestmark = pytest.mark.standard_promotion  # adam's bias correction
+
+
+def _params(leaves, dtypes=(jnp.float32,)):
+    # 128 to 192 elements a leaf: more than the flags any check combines.
+    return {
+        f"w{i:03d}": jnp.full((16, 8 + i % 5), 0.5, dtypes[i % len(dtypes)])
+        for i in range(leaves)
+    }
+
+
+def _update(**kwargs):
+    tx = lossscale.loss_scaled(
+        optax.adam(1e-3),
+        lossscale.DynamicLossScale(),
+        require_scaled_by=False,
+        **kwargs,
+    )
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return tx, step
+
+
+_REDUCE = re.compile(
+    r"stablehlo\.reduce\(.*?\) applies .*?: \(tensor<((?:\d+x)*)[a-z]\w*>"
+)
+
+
+def _reduced(text):
+    """The element counts of every ``stablehlo.reduce``'s first operand
+    whose operand has more than 64 elements (the gradients' checks, not the
+    combining of their flags)."""
+    counts = [
+        math.prod(int(d) for d in dims.split("x") if d)
+        for dims in _REDUCE.findall(text)
+    ]
+    return [n for n in counts if n > 64]
+
+
+def _reductions(platform, leaves, dtypes=(jnp.float32,), **kwargs):
+    """The gradient checks of the update lowered for ``platform`` on a
+    one-device mesh (as on a machine with one GPU), and the gradients'
+    total element count."""
+    tx, step = _update(**kwargs)
+    params = _params(leaves, dtypes)
+    mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
+    with set_mesh(mesh):
+        exported = export.export(jax.jit(step), platforms=(platform,))(
+            params, tx.init(params), params
+        )
+    size = sum(x.size for x in jax.tree.leaves(params))
+    return _reduced(exported.mlir_module()), size
+
+
+@pytest.mark.parametrize("leaves", [1, 4, 40, 64, 65, 160])
+def test_gpu_checks_every_leaf_in_one_reduction_per_64(leaves):
+    """On CUDA the check concatenates the gradients into one reduction per
+    _GPU_OPERANDS leaves: 1 for up to 64 leaves, where flax's DynamicScale
+    and optax.apply_if_finite reduce each leaf (2 kernels each on GPU)."""
+    assert _finite._GPU_OPERANDS == 64
+    for platform in ("cuda", "rocm"):
+        reduced, size = _reductions(platform, leaves)
+        assert len(reduced) == math.ceil(leaves / 64)
+        assert sum(reduced) == size  # every gradient element checked once
+
+
+def test_gpu_concatenates_16_and_32_bit_leaves_together():
+    """bfloat16 and float16 gradients are widened to float32 (exactly) and
+    checked with the float32 ones: still one reduction."""
+    dtypes = (jnp.float32, jnp.bfloat16, jnp.float16)
+    reduced, size = _reductions("cuda", 30, dtypes)
+    assert reduced == [size]
+
+
+def test_negative_controls_reduce_per_leaf():
+    """The count sees per-leaf checks where they are: per-leaf flags
+    (report_nonfinite) take a reduction per leaf on CUDA."""
+    reduced, size = _reductions("cuda", 40, report_nonfinite=True)
+    assert len(reduced) == 40
+    assert sum(reduced) == size
+
+
+def test_gpu_check_is_exact_for_every_leaf_and_dtype():
+    """The concatenated check, run (on CPU, from the CUDA branch's own
+    function), finds one inf or NaN in any leaf of any dtype, and calls a
+    float64 leaf beyond float32's range finite (it is not narrowed)."""
+    dtypes = (jnp.float32, jnp.bfloat16, jnp.float16)
+    leaves = [jnp.full((4, 2 + i), 1.0, dtypes[i % 3]) for i in range(70)]
+    check = jax.jit(_finite._gpu_all_finite)
+    assert bool(check(leaves))
+    for i in (0, 1, 2, 63, 64, 69):
+        for bad in (jnp.inf, -jnp.inf, jnp.nan):
+            poisoned = list(leaves)
+            poisoned[i] = poisoned[i].at[1, 1].set(bad)
+            assert not bool(check(poisoned)), (i, bad)
+    with jax.enable_x64(True) if hasattr(jax, "enable_x64") else _x64():
+        big = [jnp.full((3,), 1e300, jnp.float64), jnp.ones((2,), jnp.float32)]
+        assert bool(jax.jit(_finite._gpu_all_finite)(big))
+        big[0] = big[0].at[0].set(jnp.inf)
+        assert not bool(jax.jit(_finite._gpu_all_finite)(big))
+
+
+def _x64():
+    from jax.experimental import enable_x64
+
+    return enable_x64()
+
+
+def test_gpu_check_keeps_sharded_leaves_apart():
+    """A leaf sharded in its type (explicit axes) is reduced alone, not
+    concatenated (which would move it between devices); the replicated
+    ones still share one reduction."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = explicit_mesh((8,), ("x",))
+    with set_mesh(mesh):
+        sharded = jax.device_put(jnp.ones((16, 8)), P("x", None))
+        replicated = [
+            jax.device_put(jnp.ones((13, i + 1)), P()) for i in range(5)
+        ]
+        exported = export.export(
+            jax.jit(_finite._gpu_all_finite), platforms=("cuda",)
+        )([sharded, *replicated])
+    assert sorted(_reduced(exported.mlir_module())) == sorted(
+        [sum(x.size for x in replicated), sharded.size]
+    )
+
+
+# --- the optimized GPU module (needs the CUDA plugin) -----------------------
+
+WHY = gpu_hlo.unavailable("h200")
+needs_plugin = pytest.mark.skipif(WHY is not None, reason=f"{WHY}")
+
+HLO = """HloModule m
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %f = f32[8]{0} fusion(%x), kind=kLoop, calls=%c
+  %g = f32[8]{0} custom-call(%f, %f), custom_call_target="__cublas$gemm"
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %g)
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  ROOT %lt = pred[] fusion(%p), kind=kLoop, calls=%d
+}
+
+ENTRY %main (a: f32[8]) -> (s32[], f32[8]) {
+  %a = f32[8]{0} parameter(0)
+  %r = pred[] fusion(%a), kind=kInput, calls=%e
+  %w = (s32[], f32[8]{0}) while(%t0), condition=%cond, body=%body, \
+backend_config={"known_trip_count":{"n":"12"}}
+  ROOT %c = f32[8]{0} copy(%a)
+}
+"""
+
+
+def test_census_counts_a_loop_body_per_iteration():
+    """A hand-written module: the reduction, the copy, and the loop's
+    body (a fusion and a GEMM) and condition 12 times each."""
+    found = gpu_hlo.census(HLO)
+    assert dict(found.kinds) == {
+        "fusion:kInput": 1,
+        "copy": 1,
+        "fusion:kLoop": 24,
+        "custom-call:__cublas$gemm": 12,
+    }
+    assert (found.total, found.static, found.gemms, found.loops) == (
+        38, 5, 12, [12],
+    )  # fmt: skip
+    # The reduction reads 32 bytes and writes 1; the copy 32 and 32; each
+    # loop fusion 32 + 32 (the condition's reads its tuple: 36 + 1).
+    assert found.bytes == 33 + 64 + 12 * 64 + 12 * 37
+
+
+@needs_plugin
+def test_census_of_a_compiled_matmul():
+    """``tanh(a @ b).sum()`` compiles for the H200 into GEMMs and
+    reductions that the census sees; nothing ran on a GPU."""
+    a = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16)
+    hlo, compiled = gpu_hlo.compile_hlo(
+        lambda a, b: jnp.tanh(a @ b).sum(), a, a
+    )
+    found = gpu_hlo.census(hlo)
+    assert found.gemms == 1
+    assert found.reductions >= 1
+    assert gpu_hlo.device_kind() == "NVIDIA H200"
+    assert compiled.memory_analysis() is not None
+
+
+@needs_plugin
+def test_loss_scaling_adds_a_constant_number_of_gpu_kernels():
+    """What the loss-scaled adam step adds to plain optax's kernels on the
+    H200 does not grow with the leaves (4, 40, 64), and flax's
+    DynamicScale, which reduces each leaf (in two kernels: leaves of 25_000
+    elements, as the benchmark's 1M parameters in 40 leaves, are large
+    enough that XLA splits their reductions), adds two kernels per leaf:
+    the negative control, the census sees them."""
+    names = ("plain optax", "lossscale", "flax DynamicScale")
+    added, flax_added = {}, {}
+    for leaves in (4, 40, 64):
+        rows = gpu_hlo.optimizer_census(25_000 * leaves, leaves, "h200", names)
+        base = rows["plain optax"].total
+        added[leaves] = rows["lossscale"].total - base
+        flax_added[leaves] = rows["flax DynamicScale"].total - base
+        assert rows["lossscale"].reductions == 2  # one split reduction
+        assert rows["flax DynamicScale"].reductions == 2 * leaves
+    assert added[4] == added[40] == added[64] <= 16, added
+    assert flax_added[64] - added[64] > 100, (flax_added, added)
