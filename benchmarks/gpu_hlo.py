@@ -181,6 +181,15 @@ _FREE = frozenset(
         "after-all",
         "opt-barrier",
         "partition-id",
+        # The second half of an asynchronous pair: its -start launched it.
+        "fusion-done",
+        "copy-done",
+        "all-gather-done",
+        "all-reduce-done",
+        "collective-permute-done",
+        "async-done",
+        "send-done",
+        "recv-done",
         "replica-id",
     }
 )
@@ -199,6 +208,7 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _FUSION_KIND = re.compile(r"\bkind=(\w+)")
 _BACKEND_KIND = re.compile(r'"kind":"([^"]+)"')
+_OP_NAME = re.compile(r'op_name="(?:[^"]*/)?([^"/]+)"')
 
 
 def _type_bytes(text: str) -> int:
@@ -261,7 +271,7 @@ def _computations(hlo: str) -> tuple[dict[str, list[_Instruction]], str]:
 
 
 def _kind(inst: _Instruction) -> str:
-    if inst.op == "fusion":
+    if inst.op in ("fusion", "fusion-start"):  # -start: an async fusion
         kind = _FUSION_KIND.search(inst.line)
         label = f"fusion:{kind.group(1) if kind else '?'}"
         backend = _BACKEND_KIND.search(inst.line)
@@ -296,12 +306,18 @@ class Census:
         static: kernels in the program text (a loop body once).
         bytes: operand and result bytes of the non-GEMM kernels per step.
         loops: the trip counts of the while loops (an unknown one as 1).
+        sources: ``bytes`` by the JAX operation a kernel's root came from
+            (the last part of its ``op_name``: ``exp``,
+            ``lossscale_float8_quantize``, ``dynamic_update_slice``, ...).
     """
 
     kinds: collections.Counter
     static: int
     bytes: int
     loops: list[int]
+    sources: collections.Counter = dataclasses.field(
+        default_factory=collections.Counter
+    )
 
     @property
     def total(self) -> int:
@@ -330,17 +346,30 @@ def _moved(inst: _Instruction, types: dict[str, str]) -> int:
     only the slice of a buffer that a dynamic slice reads or a dynamic
     update writes in place (a scan's stacked inputs and residuals)."""
     operands = [types.get(o, "") for o in inst.operands]
-    if "dynamic_update_slice" in inst.name or inst.op == "dynamic-update-slice":
-        return 2 * sum(_type_bytes(t) for t in operands if t != inst.type)
-    if "dynamic_slice" in inst.name or inst.op == "dynamic-slice":
-        return 2 * _type_bytes(inst.type)
-    return _type_bytes(inst.type) + sum(_type_bytes(t) for t in operands)
+    result = inst.type
+    if inst.op == "fusion-start":
+        # ((operands), result, context): the result alone.
+        result = _split_type(inst.type[1:])[1].lstrip(", ")
+        result = _split_type(result)[0].rstrip(",")
+    calls = re.search(r"calls=%([\w.\-]+)", inst.line)
+    called = calls.group(1) if calls else ""
+    if "dynamic_update_slice" in inst.name + called or inst.op == (
+        "dynamic-update-slice"
+    ):
+        buffer = _ARRAY.findall(result)
+        return 2 * sum(
+            _type_bytes(t) for t in operands if _ARRAY.findall(t) != buffer
+        )
+    if "dynamic_slice" in inst.name + called or inst.op == "dynamic-slice":
+        return 2 * _type_bytes(result)
+    return _type_bytes(result) + sum(_type_bytes(t) for t in operands)
 
 
 def census(hlo: str) -> Census:
     """Counts the kernels of an optimized HLO module's text (see above)."""
     comps, entry = _computations(hlo)
     kinds: collections.Counter = collections.Counter()
+    sources: collections.Counter = collections.Counter()
     static, nbytes, loops = 0, 0, []
 
     def walk(name: str, times: int) -> None:
@@ -372,10 +401,13 @@ def census(hlo: str) -> Census:
             kinds[kind] += times
             static += 1
             if not is_gemm(kind):
-                nbytes += _moved(inst, types) * times
+                moved = _moved(inst, types) * times
+                nbytes += moved
+                source = _OP_NAME.search(inst.line)
+                sources[source.group(1) if source else "?"] += moved
 
     walk(entry, 1)
-    return Census(kinds, static, nbytes, loops)
+    return Census(kinds, static, nbytes, loops, sources)
 
 
 # --- what is compiled -------------------------------------------------------
@@ -586,6 +618,18 @@ def main(argv: list[str] | None = None) -> str:
                     f"{c.reductions} | {c.others} | {c.bytes / 1e6:.0f} | "
                     f"{temp:.0f} | {seconds:.1f} |"
                 )
+            lines += [
+                "",
+                "Where the non-GEMM bytes go (GB per step, by the JAX "
+                "operation of each kernel's root; the largest six):",
+                "",
+            ]
+            for name, (c, _, _) in rows.items():
+                top = ", ".join(
+                    f"`{op}` {moved / 1e9:.1f}"
+                    for op, moved in c.sources.most_common(6)
+                )
+                lines.append(f"- {name}: {top}")
             lines.append("")
     report = "\n".join(lines)
     print(report)

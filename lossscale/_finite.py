@@ -128,12 +128,20 @@ def _default_flags(leaves: Sequence[jax.Array]) -> list[jax.Array]:
 # concatenation of 96 leaves, not of 80, in benchmarks/gpu_hlo.py), so at
 # most _GPU_OPERANDS leaves go into one reduction. Leaves of 16 bits or
 # fewer are widened to float32 (exactly: inf and NaN stay so), wider ones
-# keep their dtype (a float64 past float32's range is finite).
+# keep their dtype (a float64 past float32's range is finite); see
+# _exact_dtype.
 _GPU_OPERANDS = 64
 
 
-def _exact_dtype(x: jax.Array) -> Any:
-    return jnp.promote_types(x.dtype, jnp.float32)
+def _exact_dtype(x: jax.Array) -> np.dtype:
+    """float32 for a real leaf of 16 bits or fewer (float16, bfloat16,
+    float8, float4: float32 holds each of their values, inf and NaN), else
+    the leaf's own dtype. Chosen by width, not by ``jnp.promote_types``,
+    which refuses float8 (and any promotion under strict promotion)."""
+    dtype = np.dtype(x.dtype)
+    if dtype.itemsize <= 2 and dtype.kind != "c":
+        return np.dtype(np.float32)
+    return dtype
 
 
 def _gpu_all_finite(leaves: Sequence[jax.Array]) -> jax.Array:

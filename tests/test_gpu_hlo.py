@@ -31,7 +31,8 @@ gpu_hlo = importlib.util.module_from_spec(spec)
 sys.modules["gpu_hlo"] = gpu_hlo  # its dataclass looks its module up
 spec.loader.exec_module(gpu_hlo)
 
-pytestmark = pytest.mark.standard_promotion  # adam's bias correction
+# adam's bias correction is not written for strict promotion.
+adam = pytest.mark.standard_promotion
 
 
 def _params(leaves, dtypes=(jnp.float32,)):
@@ -73,14 +74,29 @@ def _reduced(text):
     return [n for n in counts if n > 64]
 
 
+def one_device():
+    """A one-device mesh in context: as on a machine with one GPU, where
+    leaves are concatenated (with no mesh, the tests' eight simulated CPUs
+    hide the leaves' sharding and each leaf is reduced alone)."""
+    return set_mesh(jax.make_mesh((1,), ("x",), devices=jax.devices()[:1]))
+
+
+def gpu_check(leaves):
+    """``_gpu_all_finite(leaves)`` jitted on one device, after checking that
+    it concatenates (so that a test of it cannot pass on per-leaf checks)."""
+    with one_device():
+        jaxpr = jax.make_jaxpr(_finite._gpu_all_finite)(leaves)
+        assert "concatenate" in str(jaxpr)
+        return bool(jax.jit(_finite._gpu_all_finite)(leaves))
+
+
 def _reductions(platform, leaves, dtypes=(jnp.float32,), **kwargs):
     """The gradient checks of the update lowered for ``platform`` on a
     one-device mesh (as on a machine with one GPU), and the gradients'
     total element count."""
     tx, step = _update(**kwargs)
     params = _params(leaves, dtypes)
-    mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
-    with set_mesh(mesh):
+    with one_device():
         exported = export.export(jax.jit(step), platforms=(platform,))(
             params, tx.init(params), params
         )
@@ -88,6 +104,7 @@ def _reductions(platform, leaves, dtypes=(jnp.float32,), **kwargs):
     return _reduced(exported.mlir_module()), size
 
 
+@adam
 @pytest.mark.parametrize("leaves", [1, 4, 40, 64, 65, 160])
 def test_gpu_checks_every_leaf_in_one_reduction_per_64(leaves):
     """On CUDA the check concatenates the gradients into one reduction per
@@ -100,6 +117,7 @@ def test_gpu_checks_every_leaf_in_one_reduction_per_64(leaves):
         assert sum(reduced) == size  # every gradient element checked once
 
 
+@adam
 def test_gpu_concatenates_16_and_32_bit_leaves_together():
     """bfloat16 and float16 gradients are widened to float32 (exactly) and
     checked with the float32 ones: still one reduction."""
@@ -108,6 +126,7 @@ def test_gpu_concatenates_16_and_32_bit_leaves_together():
     assert reduced == [size]
 
 
+@adam
 def test_negative_controls_reduce_per_leaf():
     """The count sees per-leaf checks where they are: per-leaf flags
     (report_nonfinite) take a reduction per leaf on CUDA."""
@@ -122,18 +141,35 @@ def test_gpu_check_is_exact_for_every_leaf_and_dtype():
     float64 leaf beyond float32's range finite (it is not narrowed)."""
     dtypes = (jnp.float32, jnp.bfloat16, jnp.float16)
     leaves = [jnp.full((4, 2 + i), 1.0, dtypes[i % 3]) for i in range(70)]
-    check = jax.jit(_finite._gpu_all_finite)
-    assert bool(check(leaves))
+    assert gpu_check(leaves)
     for i in (0, 1, 2, 63, 64, 69):
         for bad in (jnp.inf, -jnp.inf, jnp.nan):
             poisoned = list(leaves)
             poisoned[i] = poisoned[i].at[1, 1].set(bad)
-            assert not bool(check(poisoned)), (i, bad)
+            assert not gpu_check(poisoned), (i, bad)
     with jax.enable_x64(True) if hasattr(jax, "enable_x64") else _x64():
-        big = [jnp.full((3,), 1e300, jnp.float64), jnp.ones((2,), jnp.float32)]
-        assert bool(jax.jit(_finite._gpu_all_finite)(big))
-        big[0] = big[0].at[0].set(jnp.inf)
-        assert not bool(jax.jit(_finite._gpu_all_finite)(big))
+        big = [jnp.full((3,), 1e300, jnp.float64)] * 2 + [jnp.ones(2)]
+        assert gpu_check(big)
+        big[1] = big[1].at[0].set(jnp.inf)
+        assert not gpu_check(big)
+
+
+def test_gpu_check_takes_8_bit_floats_under_strict_promotion():
+    """float8 (and float4) gradients are widened to float32 explicitly:
+    ``jnp.promote_types`` refuses them, and strict promotion (these tests'
+    default) refuses any implicit promotion, bfloat16's too. A float8 NaN
+    (e4m3fn has no inf) is found, a finite float8 leaf passes."""
+    small = [jnp.float8_e4m3fn, jnp.float8_e5m2]
+    if hasattr(jnp, "float4_e2m1fn"):
+        small.append(jnp.float4_e2m1fn)
+    for dtype in small:
+        ok = jnp.ones((3, 2), dtype)
+        assert gpu_check([ok, ok, jnp.ones(4, jnp.bfloat16), jnp.ones(2)])
+    for dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+        bad = jnp.ones((3, 2), dtype).at[2, 1].set(jnp.nan)
+        assert not gpu_check([jnp.ones((3, 2), dtype), bad])
+    bad = jnp.ones((3, 2), jnp.float8_e5m2).at[0, 0].set(jnp.inf)
+    assert not gpu_check([bad, jnp.ones(5)])
 
 
 def _x64():
@@ -183,9 +219,14 @@ HLO = """HloModule m
   ROOT %lt = pred[] fusion(%p), kind=kLoop, calls=%d
 }
 
-ENTRY %main (a: f32[8]) -> (s32[], f32[8]) {
+ENTRY %main (a: f32[8], b: f32[4,8], i: s32[]) -> (s32[], f32[8]) {
   %a = f32[8]{0} parameter(0)
+  %b = f32[4,8]{1,0} parameter(1)
+  %i = s32[] parameter(2)
   %r = pred[] fusion(%a), kind=kInput, calls=%e
+  %s = ((f32[4,8]{1,0}, s32[], f32[8]{0}), f32[4,8]{1,0}, u32[]) \
+fusion-start(%b, %i, %a), kind=kLoop, calls=%fused_dynamic_update_slice
+  %d = f32[4,8]{1,0} fusion-done(%s)
   %w = (s32[], f32[8]{0}) while(%t0), condition=%cond, body=%body, \
 backend_config={"known_trip_count":{"n":"12"}}
   ROOT %c = f32[8]{0} copy(%a)
@@ -194,21 +235,24 @@ backend_config={"known_trip_count":{"n":"12"}}
 
 
 def test_census_counts_a_loop_body_per_iteration():
-    """A hand-written module: the reduction, the copy, and the loop's
+    """A hand-written module: the reduction, the asynchronous in-place
+    update (one kernel, its -done launches none), the copy, and the loop's
     body (a fusion and a GEMM) and condition 12 times each."""
     found = gpu_hlo.census(HLO)
     assert dict(found.kinds) == {
         "fusion:kInput": 1,
         "copy": 1,
-        "fusion:kLoop": 24,
+        "fusion:kLoop": 1 + 24,
         "custom-call:__cublas$gemm": 12,
     }
     assert (found.total, found.static, found.gemms, found.loops) == (
-        38, 5, 12, [12],
+        39, 6, 12, [12],
     )  # fmt: skip
-    # The reduction reads 32 bytes and writes 1; the copy 32 and 32; each
-    # loop fusion 32 + 32 (the condition's reads its tuple: 36 + 1).
-    assert found.bytes == 33 + 64 + 12 * 64 + 12 * 37
+    # The reduction reads 32 bytes and writes 1; the update reads and
+    # writes its slice and index (2 * (32 + 4)), not the 128-byte buffer;
+    # the copy 32 and 32; each loop fusion 32 + 32 (the condition's reads
+    # its tuple: 36 + 1).
+    assert found.bytes == 33 + 72 + 64 + 12 * 64 + 12 * 37
 
 
 @needs_plugin
@@ -226,6 +270,7 @@ def test_census_of_a_compiled_matmul():
     assert compiled.memory_analysis() is not None
 
 
+@adam
 @needs_plugin
 def test_loss_scaling_adds_a_constant_number_of_gpu_kernels():
     """What the loss-scaled adam step adds to plain optax's kernels on the
