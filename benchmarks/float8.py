@@ -61,12 +61,18 @@ def compute_dtype(variant: str) -> Any:
     return lossscale.Float8(variant.removeprefix("float8 "))
 
 
-def build(variant: str, config: gpt.Config):
+def build(
+    variant: str, config: gpt.Config, *, hand_cast: Any = None, attention=None
+):
     """The jitted-to-be train step of ``variant``, its arguments, and its
-    autocast loss function."""
+    autocast loss function.
+
+    ``hand_cast`` (a dtype) builds the model cast by hand instead, with no
+    autocast (``variant`` is then only a name); ``attention`` replaces the
+    model's attention (``gpt.make_model``'s)."""
     from flax import nnx
 
-    model = gpt.make_model(0, config)
+    model = gpt.make_model(0, config, hand_cast=hand_cast, attention=attention)
     graphdef, params = nnx.split(model, nnx.Param)
     tx = lossscale.loss_scaled(
         gpt.optimizer(300, config.learning_rate), lossscale.NoOpLossScale()
@@ -76,7 +82,8 @@ def build(variant: str, config: gpt.Config):
         inputs, targets = batch
         return gpt.cross_entropy(nnx.merge(graphdef, params)(inputs), targets)
 
-    loss_fn = lossscale.autocast(loss_fn, compute_dtype(variant))
+    if hand_cast is None:
+        loss_fn = lossscale.autocast(loss_fn, compute_dtype(variant))
 
     def step(params, opt_state, batch):
         loss, grads = lossscale.value_and_grad(loss_fn, opt_state)(

@@ -12,7 +12,8 @@ jaxlib, not CUDA, a driver or a GPU::
     version=$(python -c 'import jax; print(jax.__version__)')
     pip install "jax[cuda13-local]==$version"
     JAX_PLATFORMS=cpu python benchmarks/gpu_hlo.py [--target h200] [--quick]
-        [--sections optimizer,leaves,mlp,autocast] [--out FILE]
+        [--sections optimizer,leaves,mlp,autocast] [--gemm cublas|xla]
+        [--out FILE]
 
 ``JAX_PLATFORMS=cpu`` keeps JAX from initialising the plugin as a backend
 (it would look for a GPU and print why it found none); the topology loads
@@ -25,12 +26,20 @@ condition once per iteration where XLA knows the trip count (a scan over
 layers). Parameters, constants, tuples, bitcasts and get-tuple-elements
 launch nothing. Not counted: what the runtime does with them (XLA:GPU may
 capture runs of kernels into CUDA graphs at execution), and autotuning,
-which needs the device: a GEMM may be compiled as a Triton fusion here and
-picked as cuBLAS on the GPU, or the reverse (both are GEMMs in the census).
-``bytes`` is each non-GEMM kernel's operands and results added up (of a
+which needs the device: without it XLA makes Triton GEMM fusions, where
+the autotuned H200 program had cuBLAS(Lt) calls (a ``__cublas$lt$matmul$f8``
+for every float8 dot), so ``--gemm cublas`` (the default) turns Triton
+GEMMs off, as there, and ``--gemm xla`` keeps XLA's choice.
+"GEMMs" are the library calls that do a matmul's work: cuBLAS(Lt)
+GEMMs, Triton GEMM fusions, and cuDNN's fused attention. ``bytes`` is
+each non-GEMM kernel's operands and results added up (of a
 dynamic slice or an in-place update, the slice): the memory traffic,
 about, of everything but the GEMMs, which a GPU's bandwidth bounds below
-(4.8 TB/s on an H200: 1 ms per 4.8 GB).
+(4.8 TB/s on an H200: 1 ms per 4.8 GB); an estimate, since the caches
+and kernels that read part of an operand are not modelled. cuDNN's
+attention needs its library to compile (``nvidia-cudnn``, which
+``jax[cuda13]`` brings; ``jax[cuda13-local]`` does not): without it
+those variants say so in place of their counts.
 
 Kernel counts are deterministic for one jax version and target; times
 are not measured here (``gpu.sh`` measures them on a GPU).
@@ -115,8 +124,20 @@ def device_kind(target: str = "h200") -> str:
     return _devices(target)[0].device_kind
 
 
+# XLA without the device cannot autotune, so it takes its default GEMM
+# backend: Triton GEMM fusions (float8 ones too). On the H200 the autotuned
+# program had cuBLASLt GEMMs (``__cublas$lt$matmul$f8`` for every float8
+# dot, benchmarks/RESULTS-gpu-float8.md); with Triton GEMMs off XLA
+# rewrites every dot into cuBLAS(Lt) calls, as there.
+CUBLAS = {"xla_gpu_enable_triton_gemm": False}
+
+
 def compile_hlo(
-    fn: Any, *args: Any, target: str = "h200", donate_argnums: Any = ()
+    fn: Any,
+    *args: Any,
+    target: str = "h200",
+    donate_argnums: Any = (),
+    compiler_options: dict[str, Any] | None = None,
 ) -> tuple[str, Any]:
     """``jax.jit(fn)`` compiled for ``target`` with arguments shaped like
     ``args`` (arrays or ``ShapeDtypeStruct``s): its optimized HLO text and
@@ -124,7 +145,8 @@ def compile_hlo(
 
     The arguments are flattened to arrays before lowering, so that a state
     whose pytree class rejects abstract leaves (jmp's loss scales) lowers
-    too; ``donate_argnums`` indexes ``args``, as for ``jax.jit``.
+    too; ``donate_argnums`` indexes ``args``, as for ``jax.jit``;
+    ``compiler_options`` are XLA's (:data:`CUBLAS`, say).
     """
     (device,) = _devices(target)
     mesh = jax.sharding.Mesh(np.asarray([device]), ("x",))
@@ -164,7 +186,7 @@ def compile_hlo(
         lowered = jax.jit(flat_fn, donate_argnums=tuple(positions)).lower(
             *abstract
         )
-    compiled = lowered.compile()
+    compiled = lowered.compile(compiler_options=compiler_options)
     return compiled.as_text() or "", compiled
 
 
@@ -270,8 +292,18 @@ def _computations(hlo: str) -> tuple[dict[str, list[_Instruction]], str]:
     return comps, entry
 
 
-def _kind(inst: _Instruction) -> str:
+def _kind(inst: _Instruction, comps: dict[str, list[_Instruction]]) -> str:
     if inst.op in ("fusion", "fusion-start"):  # -start: an async fusion
+        called = re.search(r"calls=%([\w.\-]+)", inst.line)
+        inner = [
+            i
+            for i in comps.get(called.group(1) if called else "", [])
+            if i.op == "custom-call"
+        ]
+        if len(inner) == 1:
+            # A library call inside a fusion: a GEMM on a dynamic slice
+            # of a scan's stacked weights (XLA's dynamic-slice fusion).
+            return _kind(inner[0], comps)
         kind = _FUSION_KIND.search(inst.line)
         label = f"fusion:{kind.group(1) if kind else '?'}"
         backend = _BACKEND_KIND.search(inst.line)
@@ -397,7 +429,7 @@ def census(hlo: str) -> Census:
                     kinds["conditional"] += times
                     static += 1
                 continue
-            kind = _kind(inst)
+            kind = _kind(inst, comps)
             kinds[kind] += times
             static += 1
             if not is_gemm(kind):
@@ -414,7 +446,11 @@ def census(hlo: str) -> Census:
 
 
 def optimizer_census(
-    n_params: int, leaves: int, target: str, variants: Any = None
+    n_params: int,
+    leaves: int,
+    target: str,
+    variants: Any = None,
+    options: dict[str, Any] | None = None,
 ) -> dict[str, Census]:
     """The optimizer-only variants of ``step_overhead.py`` (all, or those
     named in ``variants``): adam, float32, the gradients scaled by 2**10,
@@ -435,13 +471,18 @@ def optimizer_census(
             grads,
             target=target,
             donate_argnums=(0, 1),
+            compiler_options=options,
         )
         out[name] = census(hlo)
     return out
 
 
 def mlp_census(
-    width: int, depth: int, batch: int, target: str
+    width: int,
+    depth: int,
+    batch: int,
+    target: str,
+    options: dict[str, Any] | None = None,
 ) -> dict[str, Census]:
     """The float16 MLP's full train step (``step_overhead.full_step``)."""
     so = _sibling("step_overhead")
@@ -468,28 +509,76 @@ def mlp_census(
     out = {}
     for name, (step, init) in steps.items():
         hlo, _ = compile_hlo(
-            step, params, init(params), target=target, donate_argnums=(0, 1)
+            step,
+            params,
+            init(params),
+            target=target,
+            donate_argnums=(0, 1),
+            compiler_options=options,
         )
         out[name] = census(hlo)
     return out
 
 
 def autocast_census(
-    config: Any, target: str, remat: str | None = None
-) -> dict[str, tuple[Census, float, float]]:
-    """The demo GPT's train step (``float8.py``'s variants): the census,
-    the temporary memory (MB) and the compile time (s) of each."""
+    config: Any,
+    target: str,
+    remat: str | None = None,
+    options: dict[str, Any] | None = None,
+) -> dict[str, tuple[Census, float, float] | str]:
+    """The demo GPT's train step (``float8.py``'s variants, and
+    :data:`OTHERS`): the census, the temporary memory (MB) and the compile
+    time (s) of each; for a variant with cuDNN's attention that does not
+    compile here (its library, ``nvidia-cudnn``, is missing), why."""
     bench = _sibling("float8")
     config = dataclasses.replace(config, remat=remat)
-    out = {}
-    for name in bench.VARIANTS:
-        step, args, _ = bench.build(name, config)
+    out: dict[str, tuple[Census, float, float] | str] = {}
+    variants = {name: {} for name in bench.VARIANTS} | OTHERS
+    for name, kwargs in variants.items():
+        reference = bench.REFERENCE if name in OTHERS else name
         start = time.perf_counter()
-        hlo, compiled = compile_hlo(step, *args, target=target)
+        try:
+            step, args, _ = bench.build(reference, config, **kwargs)
+            hlo, compiled = compile_hlo(
+                step, *args, target=target, compiler_options=options
+            )
+        except Exception as err:  # cuDNN's library missing, say
+            if "attention" not in kwargs:
+                raise
+            out[name] = f"{type(err).__name__}: {str(err)[:160]}"
+            continue
         seconds = time.perf_counter() - start
         temp = compiled.memory_analysis().temp_size_in_bytes / 1e6
         out[name] = (census(hlo), temp, seconds)
     return out
+
+
+def cudnn_attention(q: Any, k: Any, v: Any) -> Any:
+    """Causal attention by cuDNN's flash attention (its forward and
+    backward kernels), on q, k and v rounded to bfloat16, as the kernel
+    takes them (autocast keeps the call as it is)."""
+    dtype = jnp.bfloat16
+    out = jax.nn.dot_product_attention(
+        q.astype(dtype),
+        k.astype(dtype),
+        v.astype(dtype),
+        is_causal=True,
+        implementation="cudnn",
+    )
+    return out.astype(q.dtype)
+
+
+# Beside float8.py's variants: the bfloat16 autocast step with cuDNN's
+# attention, and the model cast by hand (flax's dtype=, its scores and
+# logits float32, as before autocast), with either attention: what the
+# autocast step is measured against (issue 50 item 4).
+OTHERS = {
+    "autocast bfloat16, cuDNN attention": dict(attention=cudnn_attention),
+    "hand-cast bfloat16": dict(hand_cast=jnp.bfloat16),
+    "hand-cast bfloat16, cuDNN attention": dict(
+        hand_cast=jnp.bfloat16, attention=cudnn_attention
+    ),
+}
 
 
 # --- the report -------------------------------------------------------------
@@ -526,12 +615,20 @@ def main(argv: list[str] | None = None) -> str:
         help="comma-separated: optimizer, leaves, mlp, autocast",
     )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="small sizes")
+    parser.add_argument(
+        "--gemm",
+        default="cublas",
+        choices=("cublas", "xla"),
+        help="cublas: Triton GEMM fusions off, as the autotuned H200 program "
+        "had them (CUBLAS); xla: XLA's default without autotuning",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     why = unavailable(args.target)
     if why:
         raise SystemExit(why)
     sections = args.sections.split(",")
+    options = CUBLAS if args.gemm == "cublas" else None
     import flax
 
     import lossscale
@@ -542,20 +639,29 @@ def main(argv: list[str] | None = None) -> str:
         f"Compiled {datetime.date.today()} for `{args.target}` "
         f"({device_kind(args.target)}, `benchmarks/gpu_specs/"
         f"{args.target}.txtpb`) on a CPU machine by `python "
-        f"benchmarks/gpu_hlo.py{' --quick' if args.quick else ''}`: jax "
+        f"benchmarks/gpu_hlo.py{' --quick' if args.quick else ''}"
+        f"{'' if args.gemm == 'cublas' else ' --gemm xla'}`: jax "
         f"{jax.__version__} with its CUDA plugin, optax {optax.__version__}, "
         f"flax {flax.__version__}, lossscale {lossscale.__version__}. Kernels "
         "launched per step, counted in XLA's optimized GPU module "
-        "(`benchmarks/gpu_hlo.py`'s docstring says what counts); no GEMM "
-        "autotuning (that needs the GPU). Deterministic: these are counts, "
-        "not times.",
+        "(`benchmarks/gpu_hlo.py`'s docstring says what counts). No "
+        "autotuning, which needs the GPU: "
+        + (
+            "GEMMs are cuBLAS(Lt) calls (Triton GEMM fusions off), as the "
+            "autotuned H200 program had them. "
+            if args.gemm == "cublas"
+            else "GEMMs are XLA's default, Triton GEMM fusions. "
+        )
+        + "Bytes are each non-GEMM kernel's operands and results added up "
+        "(an estimate: caches and partial reads are not modelled). "
+        "Deterministic: counts, not times.",
         "",
     ]
     sizes = [1_000_000] if args.quick else [1_000_000, 10_000_000, 20_000_000]
     if "optimizer" in sections:
         lines += ["## Optimizer-only step (adam, float32, 40 leaves)", ""]
         for n in sizes:
-            rows = optimizer_census(n, 40, args.target)
+            rows = optimizer_census(n, 40, args.target, options=options)
             lines += _added_table(
                 rows, "plain optax", f"{n // 10**6}M parameters"
             )
@@ -568,7 +674,8 @@ def main(argv: list[str] | None = None) -> str:
             "|---|" + "---|" * len(counts),
         ]
         by_leaves = {
-            n: optimizer_census(1_000_000, n, args.target) for n in counts
+            n: optimizer_census(1_000_000, n, args.target, options=options)
+            for n in counts
         }
         for name in by_leaves[counts[0]]:
             cells = [
@@ -579,7 +686,7 @@ def main(argv: list[str] | None = None) -> str:
         lines.append("")
     if "mlp" in sections:
         width, depth, batch = (256, 2, 64) if args.quick else (1024, 4, 256)
-        rows = mlp_census(width, depth, batch, args.target)
+        rows = mlp_census(width, depth, batch, args.target, options)
         base = "plain optax, loss scaled by hand"
         lines += _added_table(
             rows, base,
@@ -599,7 +706,9 @@ def main(argv: list[str] | None = None) -> str:
             [None] if args.quick else [None, "dots_with_no_batch_dims_saveable"]
         )
         for remat in policies:
-            rows = autocast_census(config, args.target, remat)
+            found = autocast_census(config, args.target, remat, options)
+            failed = {k: v for k, v in found.items() if isinstance(v, str)}
+            rows = {k: v for k, v in found.items() if not isinstance(v, str)}
             lines += [
                 f"## The demo GPT's train step: layers {config.layers}, width "
                 f"{config.width}, heads {config.heads}, batch {config.batch} "
@@ -618,6 +727,8 @@ def main(argv: list[str] | None = None) -> str:
                     f"{c.reductions} | {c.others} | {c.bytes / 1e6:.0f} | "
                     f"{temp:.0f} | {seconds:.1f} |"
                 )
+            lines += [f"| {name} | not compiled here: {why} |" for name, why
+                      in failed.items()]  # fmt: skip
             lines += [
                 "",
                 "Where the non-GEMM bytes go (GB per step, by the JAX "
@@ -626,7 +737,7 @@ def main(argv: list[str] | None = None) -> str:
             ]
             for name, (c, _, _) in rows.items():
                 top = ", ".join(
-                    f"`{op}` {moved / 1e9:.1f}"
+                    f"`{op}` {moved / 1e9:.2f}"
                     for op, moved in c.sources.most_common(6)
                 )
                 lines.append(f"- {name}: {top}")

@@ -129,10 +129,20 @@ def test_gpu_concatenates_16_and_32_bit_leaves_together():
 @adam
 def test_negative_controls_reduce_per_leaf():
     """The count sees per-leaf checks where they are: per-leaf flags
-    (report_nonfinite) take a reduction per leaf on CUDA."""
+    (report_nonfinite) take a reduction per leaf on CUDA, and so does a
+    leaf whose sharding the trace cannot see."""
     reduced, size = _reductions("cuda", 40, report_nonfinite=True)
     assert len(reduced) == 40
     assert sum(reduced) == size
+    # Eight devices and no mesh in context: the types do not say which
+    # leaves are split, and each is reduced alone.
+    assert jax.device_count() > 1
+    tx, step = _update()
+    params = _params(40)
+    exported = export.export(jax.jit(step), platforms=("cuda",))(
+        params, tx.init(params), params
+    )
+    assert len(_reduced(exported.mlir_module())) == 40
 
 
 def test_gpu_check_is_exact_for_every_leaf_and_dtype():
@@ -219,6 +229,14 @@ HLO = """HloModule m
   ROOT %lt = pred[] fusion(%p), kind=kLoop, calls=%d
 }
 
+%dsf (w: f8e4m3fn[4,8], x: f8e4m3fn[8,8]) -> (f32[8,8], s8[64]) {
+  %w = f8e4m3fn[4,8]{1,0} parameter(0)
+  %x = f8e4m3fn[8,8]{1,0} parameter(1)
+  %slice = f8e4m3fn[1,8]{1,0} dynamic-slice(%w), dynamic_slice_sizes={1,8}
+  ROOT %gemm = (f32[8,8]{1,0}, s8[64]{0}) custom-call(%slice, %x), \
+custom_call_target="__cublas$lt$matmul$f8"
+}
+
 ENTRY %main (a: f32[8], b: f32[4,8], i: s32[]) -> (s32[], f32[8]) {
   %a = f32[8]{0} parameter(0)
   %b = f32[4,8]{1,0} parameter(1)
@@ -227,6 +245,7 @@ ENTRY %main (a: f32[8], b: f32[4,8], i: s32[]) -> (s32[], f32[8]) {
   %s = ((f32[4,8]{1,0}, s32[], f32[8]{0}), f32[4,8]{1,0}, u32[]) \
 fusion-start(%b, %i, %a), kind=kLoop, calls=%fused_dynamic_update_slice
   %d = f32[4,8]{1,0} fusion-done(%s)
+  %q = (f32[8,8]{1,0}, s8[64]{0}) fusion(%b, %a), kind=kCustom, calls=%dsf
   %w = (s32[], f32[8]{0}) while(%t0), condition=%cond, body=%body, \
 backend_config={"known_trip_count":{"n":"12"}}
   ROOT %c = f32[8]{0} copy(%a)
@@ -236,18 +255,22 @@ backend_config={"known_trip_count":{"n":"12"}}
 
 def test_census_counts_a_loop_body_per_iteration():
     """A hand-written module: the reduction, the asynchronous in-place
-    update (one kernel, its -done launches none), the copy, and the loop's
-    body (a fusion and a GEMM) and condition 12 times each."""
+    update (one kernel, its -done launches none), a float8 GEMM on a
+    dynamic slice (a fusion around a cuBLASLt call: the GEMM), the copy,
+    and the loop's body (a fusion and a GEMM) and condition 12 times
+    each."""
     found = gpu_hlo.census(HLO)
     assert dict(found.kinds) == {
         "fusion:kInput": 1,
         "copy": 1,
         "fusion:kLoop": 1 + 24,
+        "custom-call:__cublas$lt$matmul$f8": 1,
         "custom-call:__cublas$gemm": 12,
     }
     assert (found.total, found.static, found.gemms, found.loops) == (
-        39, 6, 12, [12],
+        40, 7, 13, [12],
     )  # fmt: skip
+    assert found.fp8_gemms == 1
     # The reduction reads 32 bytes and writes 1; the update reads and
     # writes its slice and index (2 * (32 + 4)), not the 128-byte buffer;
     # the copy 32 and 32; each loop fusion 32 + 32 (the condition's reads

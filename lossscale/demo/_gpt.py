@@ -147,7 +147,9 @@ def hand_cast_attention(q, k, v):
     return jnp.einsum("bhts,bshd->bthd", weights.astype(v.dtype), v)
 
 
-def make_model(seed: int, config: Config = Config(), hand_cast=None):
+def make_model(
+    seed: int, config: Config = Config(), hand_cast=None, attention=None
+):
     """The GPT, with float32 weights.
 
     Args:
@@ -156,6 +158,10 @@ def make_model(seed: int, config: Config = Config(), hand_cast=None):
         hand_cast: ``None`` (the model as written: float32, no dtype
             arguments), or a dtype that every layer computes in through
             flax's ``dtype=`` (the ``hand`` mode's float16 reference).
+        attention: ``attention(q, k, v)`` over ``[batch, time, heads,
+            head_dim]``, causal; by default :func:`causal_attention`
+            (:func:`hand_cast_attention` with ``hand_cast``).
+            ``benchmarks/gpu_hlo.py`` passes cuDNN's flash attention.
     """
     nnx = require("flax.nnx")
     width, heads = config.width, config.heads
@@ -166,7 +172,10 @@ def make_model(seed: int, config: Config = Config(), hand_cast=None):
     weights = normal(0.02)
     residual = normal(0.02 / math.sqrt(2 * config.layers))
     dense = {} if hand_cast is None else dict(dtype=hand_cast)
-    attention = causal_attention if hand_cast is None else hand_cast_attention
+    if attention is None:
+        attention = (
+            causal_attention if hand_cast is None else hand_cast_attention
+        )
     norm = functools.partial(nnx.LayerNorm, width, epsilon=1e-5, **dense)
     remat = None
     if config.remat is not None:
