@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The benchmark suite on a CUDA machine (at most 9 minutes: each part's
+# The benchmark suite on a CUDA machine (at most 10 minutes: each part's
 # time limit below; most of it compiling).
 # Usage: bash benchmarks/gpu.sh [OUT]   (default benchmarks/RESULTS-gpu.md)
 #
 # Each part writes its own file beside OUT (OUT with -float8.md,
-# -float8-remat.md, -autocast.md, -collectives.md in place of .md) as soon
-# as it ends, and runs under a time limit, so that a part that fails or
-# runs long leaves the others' results; the script's status is the first
-# failing part's.
+# -float8-remat.md, -autocast.md, -collectives.md, -hlo.md in place of
+# .md) as soon as it ends, and runs under a time limit, so that a part
+# that fails or runs long leaves the others' results; the script's status
+# is the first failing part's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-benchmarks/RESULTS-gpu.md}"
@@ -57,4 +57,9 @@ part 70 python benchmarks/autocast.py --rounds 3 --out "$stem-autocast.md"
 # What loss scaling costs per step, against plain optax and its peers.
 part 80 python benchmarks/step_overhead.py \
     --sections optimizer,mlp,memory --out "$out"
+# The kernels of those steps as compiled (and autotuned) for this GPU: the
+# census that benchmarks/gpu_hlo.py makes without a GPU (RESULTS-gpu-hlo.md),
+# checked against the device's own compile.
+part 60 python benchmarks/gpu_hlo.py --target attached \
+    --sections optimizer,leaves,mlp --out "$stem-hlo.md"
 exit "$status"

@@ -67,7 +67,9 @@ import optax
 
 HERE = pathlib.Path(__file__).resolve().parent
 SPECS = HERE / "gpu_specs"
-TARGETS = tuple(sorted(p.stem for p in SPECS.glob("*.txtpb")))
+# A GPU's description, or "attached": this machine's first GPU, whose
+# compile autotunes (on the GPU machine, to check the census against).
+TARGETS = (*sorted(p.stem for p in SPECS.glob("*.txtpb")), "attached")
 
 
 def _sibling(name: str) -> Any:
@@ -96,6 +98,11 @@ def _install_hint() -> str:
 def _devices(target: str) -> tuple[Any, ...]:
     if target not in TARGETS:
         raise ValueError(f"target={target!r}: expected one of {TARGETS}")
+    if target == "attached":
+        try:
+            return (jax.devices("gpu")[0],)
+        except RuntimeError as err:
+            raise RuntimeError(f"no GPU attached here ({err})") from err
     from jax.experimental import topologies
 
     config = (SPECS / f"{target}.txtpb").read_text()
@@ -605,6 +612,44 @@ def _added_table(rows: dict[str, Census], base: str, title: str) -> list[str]:
     return [*lines, ""]
 
 
+def _header(args: argparse.Namespace) -> str:
+    import flax
+
+    import lossscale
+
+    if args.target == "attached":
+        where = (
+            f"this machine's {device_kind(args.target)}, autotuned, by "
+            "`python benchmarks/gpu_hlo.py --target attached"
+        )
+    else:
+        where = (
+            f"{device_kind(args.target)} (`benchmarks/gpu_specs/"
+            f"{args.target}.txtpb`) on a CPU machine, without autotuning "
+            "(it needs the GPU), by `python benchmarks/gpu_hlo.py"
+        )
+    default = "xla" if args.target == "attached" else "cublas"
+    flags = (" --quick" if args.quick else "") + (
+        "" if args.gemm == default else f" --gemm {args.gemm}"
+    )
+    gemms = (
+        "GEMMs are cuBLAS(Lt) calls (Triton GEMM fusions off), as the "
+        "autotuned H200 program had them."
+        if args.gemm == "cublas"
+        else "GEMMs are XLA's choice."
+    )
+    return (
+        f"Compiled {datetime.date.today()} for {where}{flags}`: jax "
+        f"{jax.__version__} with its CUDA plugin, optax {optax.__version__}, "
+        f"flax {flax.__version__}, lossscale {lossscale.__version__}. "
+        "Kernels launched per step, counted in XLA's optimized GPU module "
+        f"(`benchmarks/gpu_hlo.py`'s docstring says what counts). {gemms} "
+        "Bytes are each non-GEMM kernel's operands and results added up "
+        "(an estimate: caches and partial reads are not modelled). "
+        "Deterministic: counts, not times."
+    )
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(
         description=(__doc__ or "").splitlines()[0]
@@ -617,10 +662,11 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--quick", action="store_true", help="small sizes")
     parser.add_argument(
         "--gemm",
-        default="cublas",
+        default=None,
         choices=("cublas", "xla"),
-        help="cublas: Triton GEMM fusions off, as the autotuned H200 program "
-        "had them (CUBLAS); xla: XLA's default without autotuning",
+        help="cublas (the default without a GPU): Triton GEMM fusions off, "
+        "as the autotuned H200 program had them (CUBLAS); xla (the default "
+        "for --target attached): XLA's own choice",
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -628,33 +674,14 @@ def main(argv: list[str] | None = None) -> str:
     if why:
         raise SystemExit(why)
     sections = args.sections.split(",")
+    if args.gemm is None:
+        args.gemm = "xla" if args.target == "attached" else "cublas"
     options = CUBLAS if args.gemm == "cublas" else None
-    import flax
-
-    import lossscale
-
     lines = [
-        "# GPU kernels, compiled without a GPU",
+        "# GPU kernels"
+        + ("" if args.target == "attached" else ", compiled without a GPU"),
         "",
-        f"Compiled {datetime.date.today()} for `{args.target}` "
-        f"({device_kind(args.target)}, `benchmarks/gpu_specs/"
-        f"{args.target}.txtpb`) on a CPU machine by `python "
-        f"benchmarks/gpu_hlo.py{' --quick' if args.quick else ''}"
-        f"{'' if args.gemm == 'cublas' else ' --gemm xla'}`: jax "
-        f"{jax.__version__} with its CUDA plugin, optax {optax.__version__}, "
-        f"flax {flax.__version__}, lossscale {lossscale.__version__}. Kernels "
-        "launched per step, counted in XLA's optimized GPU module "
-        "(`benchmarks/gpu_hlo.py`'s docstring says what counts). No "
-        "autotuning, which needs the GPU: "
-        + (
-            "GEMMs are cuBLAS(Lt) calls (Triton GEMM fusions off), as the "
-            "autotuned H200 program had them. "
-            if args.gemm == "cublas"
-            else "GEMMs are XLA's default, Triton GEMM fusions. "
-        )
-        + "Bytes are each non-GEMM kernel's operands and results added up "
-        "(an estimate: caches and partial reads are not modelled). "
-        "Deterministic: counts, not times.",
+        _header(args),
         "",
     ]
     sizes = [1_000_000] if args.quick else [1_000_000, 10_000_000, 20_000_000]

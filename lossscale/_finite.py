@@ -159,8 +159,15 @@ def _gpu_all_finite(leaves: Sequence[jax.Array]) -> jax.Array:
         if hidden or any(entry is not None for entry in _compat.spec(x)):
             flags.append(leaf_finite(x))
         else:
-            by_key.setdefault((_exact_dtype(x), _compat.vma(x)), []).append(x)
-    for (dtype, _), group in by_key.items():
+            # 8-bit (and narrower) floats are concatenated with their own
+            # format only: one fusion widening several such formats of
+            # distinct shapes took XLA 10 to 40 times as long to compile
+            # for an H200 (64 float8 leaves, e4m3 with e5m2: 98 s against
+            # 2.5 s grouped by format; e4m3 with bfloat16: 53 s).
+            own = np.dtype(x.dtype) if np.dtype(x.dtype).itemsize < 2 else None
+            key = (_exact_dtype(x), own, _compat.vma(x))
+            by_key.setdefault(key, []).append(x)
+    for (dtype, _, _), group in by_key.items():
         for start in range(0, len(group), _GPU_OPERANDS):
             chunk = group[start : start + _GPU_OPERANDS]
             if len(chunk) == 1:
