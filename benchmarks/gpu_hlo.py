@@ -348,6 +348,8 @@ class Census:
         sources: ``bytes`` by the JAX operation a kernel's root came from
             (the last part of its ``op_name``: ``exp``,
             ``lossscale_float8_quantize``, ``dynamic_update_slice``, ...).
+        flops: the cuBLAS(Lt) GEMMs' floating-point operations per step
+            (two per multiply-add), by operand dtype (``bf16``, ``f8``).
     """
 
     kinds: collections.Counter
@@ -355,6 +357,9 @@ class Census:
     bytes: int
     loops: list[int]
     sources: collections.Counter = dataclasses.field(
+        default_factory=collections.Counter
+    )
+    flops: collections.Counter = dataclasses.field(
         default_factory=collections.Counter
     )
 
@@ -404,11 +409,49 @@ def _moved(inst: _Instruction, types: dict[str, str]) -> int:
     return _type_bytes(result) + sum(_type_bytes(t) for t in operands)
 
 
+_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+
+
+def _gemm_flops(
+    inst: _Instruction, comps: dict[str, list[_Instruction]], types: dict
+) -> tuple[str, int] | None:
+    """``(operand dtype, flops)`` of a cuBLAS(Lt) call, or of the one a
+    fusion wraps; None for anything else."""
+    if inst.op != "custom-call":
+        called = re.search(r"calls=%([\w.\-]+)", inst.line)
+        inner = [
+            i
+            for i in comps.get(called.group(1) if called else "", [])
+            if i.op == "custom-call"
+        ]
+        if len(inner) != 1 or not called:
+            return None
+        types = {i.name: i.type for i in comps[called.group(1)]}
+        inst = inner[0]
+    target = _TARGET.search(inst.line)
+    contracting = _CONTRACTING.search(inst.line)
+    if not (target and contracting and "__cublas" in target.group(1)):
+        return None
+    out = _ARRAY.findall(inst.type)
+    lhs = _ARRAY.findall(types.get(inst.operands[0], ""))
+    if not out or not lhs:
+        return None
+    lhs_dims = [int(d) for d in lhs[0][1].split(",") if d]
+    k = math.prod(
+        lhs_dims[int(d.strip('" '))] for d in contracting.group(1).split(",")
+        if d.strip('" ')
+    )  # fmt: skip
+    n = math.prod(int(d) for d in out[0][1].split(",") if d)
+    dtype = "f8" if lhs[0][0].startswith("f8") else lhs[0][0]
+    return dtype, 2 * n * k
+
+
 def census(hlo: str) -> Census:
     """Counts the kernels of an optimized HLO module's text (see above)."""
     comps, entry = _computations(hlo)
     kinds: collections.Counter = collections.Counter()
     sources: collections.Counter = collections.Counter()
+    flops: collections.Counter = collections.Counter()
     static, nbytes, loops = 0, 0, []
 
     def walk(name: str, times: int) -> None:
@@ -444,9 +487,13 @@ def census(hlo: str) -> Census:
                 nbytes += moved
                 source = _OP_NAME.search(inst.line)
                 sources[source.group(1) if source else "?"] += moved
+            else:
+                found = _gemm_flops(inst, comps, types)
+                if found:
+                    flops[found[0]] += found[1] * times
 
     walk(entry, 1)
-    return Census(kinds, static, nbytes, loops, sources)
+    return Census(kinds, static, nbytes, loops, sources, flops)
 
 
 # --- what is compiled -------------------------------------------------------
@@ -542,7 +589,9 @@ def autocast_census(
     out: dict[str, tuple[Census, float, float] | str] = {}
     variants = {name: {} for name in bench.VARIANTS} | OTHERS
     for name, kwargs in variants.items():
-        reference = bench.REFERENCE if name in OTHERS else name
+        reference = (
+            name.split(",")[0] if name.startswith("float8") else bench.REFERENCE
+        )
         start = time.perf_counter()
         try:
             step, args, _ = bench.build(reference, config, **kwargs)
@@ -575,12 +624,14 @@ def cudnn_attention(q: Any, k: Any, v: Any) -> Any:
     return out.astype(q.dtype)
 
 
-# Beside float8.py's variants: the bfloat16 autocast step with cuDNN's
-# attention, and the model cast by hand (flax's dtype=, its scores and
-# logits float32, as before autocast), with either attention: what the
-# autocast step is measured against (issue 50 item 4).
+# Beside float8.py's variants: the bfloat16 and the per-tensor float8
+# autocast steps with cuDNN's attention, and the model cast by hand
+# (flax's dtype=, its scores and logits float32, as before autocast), with
+# either attention: what the autocast step is measured against (issue 50
+# item 4).
 OTHERS = {
     "autocast bfloat16, cuDNN attention": dict(attention=cudnn_attention),
+    "float8 tensorwise, cuDNN attention": dict(attention=cudnn_attention),
     "hand-cast bfloat16": dict(hand_cast=jnp.bfloat16),
     "hand-cast bfloat16, cuDNN attention": dict(
         hand_cast=jnp.bfloat16, attention=cudnn_attention
@@ -745,13 +796,16 @@ def main(argv: list[str] | None = None) -> str:
                 f"{sorted(set(rows[next(iter(rows))][0].loops)) or '-'}).",
                 "",
                 "| variant | kernels | GEMMs | float8 GEMMs | reductions | "
-                "other kernels | non-GEMM bytes, MB | temp MB | compile s |",
-                "|---|---|---|---|---|---|---|---|---|",
+                "other kernels | non-GEMM bytes, MB | cuBLAS TFLOP (float8) "
+                "| temp MB | compile s |",
+                "|---|---|---|---|---|---|---|---|---|---|",
             ]
             for name, (c, temp, seconds) in rows.items():
                 lines.append(
                     f"| {name} | {c.total} | {c.gemms} | {c.fp8_gemms} | "
                     f"{c.reductions} | {c.others} | {c.bytes / 1e6:.0f} | "
+                    f"{sum(c.flops.values()) / 1e12:.3g} "
+                    f"({c.flops.get('f8', 0) / 1e12:.3g}) | "
                     f"{temp:.0f} | {seconds:.1f} |"
                 )
             lines += [f"| {name} | not compiled here: {why} |" for name, why

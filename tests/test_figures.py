@@ -74,10 +74,21 @@ def test_the_results_file_has_every_run_the_pages_quote():
 
 
 def _table_rows(page: pathlib.Path, first_cell: str) -> list[list[str]]:
+    return _table_rows_in(page.read_text(), first_cell)
+
+
+def _table_rows_in(text: str, first_cell: str) -> list[list[str]]:
+    """The cells of each table row (not a ``|---|`` rule) of ``text`` whose
+    first cell matches ``first_cell``."""
     rows = []
-    for line in page.read_text().splitlines():
+    for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("|") and re.fullmatch(first_cell, cells[0]):
+        rule = "---" in line
+        if (
+            line.startswith("|")
+            and not rule
+            and re.fullmatch(first_cell, cells[0])
+        ):
             rows.append(cells)
     return rows
 
@@ -285,3 +296,127 @@ def test_the_float8_page_quotes_the_recorded_trace_ratios():
         for r in recipes
     )
     assert f"{extra[0]:.0f} to {extra[-1]:.0f} ms a matmul" in guide
+
+
+# --- the GPU kernel census ---------------------------------------------------
+# benchmarks/gpu_hlo.py's recorded run (and the same script's run of the
+# code before issue 50's check, RESULTS-gpu-hlo-before.md): the kernel
+# counts the pages quote are read from their tables.
+
+GPU_HLO = ROOT / "benchmarks" / "RESULTS-gpu-hlo.md"
+GPU_HLO_BEFORE = ROOT / "benchmarks" / "RESULTS-gpu-hlo-before.md"
+
+
+def _kernels_added(path: pathlib.Path) -> dict[str, dict[int, int]]:
+    """``{variant: {leaves: kernels added to plain optax}}`` of the
+    by-leaf-count table."""
+    text = path.read_text()
+    start = text.index("## Kernels added to plain optax, by leaf")
+    table = text[start:].split("\n#", 1)[0]
+    (header,) = _table_rows_in(table, "variant")
+    counts = [int(c.split()[0]) for c in header[1:]]
+    return {
+        row[0]: dict(zip(counts, (int(c) for c in row[1:]), strict=True))
+        for row in _table_rows_in(table, r"(?!variant).+")
+    }
+
+
+def _one_million(path: pathlib.Path, variant: str) -> list[str]:
+    """``variant``'s row of the 1M-parameter optimizer table: kernels,
+    added, reductions, copies, bytes."""
+    text = path.read_text()
+    table = text[text.index("### 1M parameters") :].split("\n### ")[0]
+    (row,) = _table_rows_in(table, re.escape(variant))
+    return row[1:]
+
+
+def test_the_pages_quote_the_recorded_gpu_kernel_counts():
+    added = _kernels_added(GPU_HLO)
+    before = _kernels_added(GPU_HLO_BEFORE)
+    ls, flax, aif = (
+        added[v] for v in ("lossscale", "flax DynamicScale",
+                           "optax.apply_if_finite")
+    )  # fmt: skip
+    assert ls[4] == ls[40]  # the pages say "at 4 leaves and at 40"
+    pages = {
+        path: re.sub(r"\s+", " ", path.read_text())
+        for path in (
+            BENCHMARKS_PAGE,
+            ROOT / "docs" / "guide" / "semantics.md",
+            ROOT / "CHANGELOG.md",
+        )
+    }
+    quoted = {
+        BENCHMARKS_PAGE: [
+            f"lossscale adds {ls[40]} kernels to plain optax's "
+            f"{_one_million(GPU_HLO, 'plain optax')[0]}, where flax's recipe "
+            f"adds {flax[40]} and `optax.apply_if_finite` {aif[40]}",
+            f"it added {before['lossscale'][40]}, "
+            f"{_one_million(GPU_HLO_BEFORE, 'lossscale')[2]} of them",
+        ],
+        ROOT / "docs" / "guide" / "semantics.md": [
+            f"adds {ls[4]} kernels to plain optax's at 4 leaves and at 40 "
+            f"({ls[160]} at 160)",
+            f"adds {flax[40]} at 40 leaves and {flax[160]} at 160",
+        ],
+        ROOT / "CHANGELOG.md": [
+            f"adds {ls[4]} kernels to plain optax's at 4 leaves and at 40 "
+            f"({ls[160]} at 160), flax's recipe {flax[40]} at 40 leaves",
+            f"and {flax[160]} at 160",
+        ],
+    }
+    for path, phrases in quoted.items():
+        for phrase in phrases:
+            assert phrase in pages[path], (path.name, phrase)
+
+
+def _gpt_rows(remat: str) -> dict[str, list[str]]:
+    """The demo GPT table's rows under ``remat``: kernels, GEMMs, float8
+    GEMMs, reductions, other kernels, non-GEMM MB, TFLOP (float8), temp
+    MB, compile s."""
+    text = GPU_HLO.read_text()
+    table = text[text.index(f"remat {remat}\n") :].split("\n## ")[0]
+    return {row[0]: row[1:] for row in _table_rows_in(table, r"[a-z].*")}
+
+
+def test_the_pages_quote_the_recorded_gpu_gpt_census():
+    rows, remat = (
+        _gpt_rows("none"),
+        _gpt_rows("dots_with_no_batch_dims_saveable"),
+    )
+    bf16, flash = (
+        rows["autocast bfloat16"],
+        rows["autocast bfloat16, cuDNN attention"],
+    )
+    fp8 = rows["float8 tensorwise, cuDNN attention"]
+    hand, hand_flash = (
+        rows["hand-cast bfloat16"],
+        rows["hand-cast bfloat16, cuDNN attention"],
+    )
+
+    def gb(row):
+        return f"{float(row[5]) / 1e3:.0f} GB"
+
+    def tflop(row):
+        return row[6].split()[0], row[6].split()[1].strip("()")
+
+    page = re.sub(r"\s+", " ", BENCHMARKS_PAGE.read_text())
+    for phrase in (
+        f"GEMMs are {tflop(bf16)[0]} TFLOP",
+        f"move about {gb(bf16)[:-3]} GB",
+        f"fall to {gb(flash)} and the temporary memory from {bf16[7]} MB "
+        f"to {flash[7]} MB",
+        f"{gb(hand)} with its attention written out, {gb(hand_flash)} with",
+        f"{tflop(fp8)[1]} of the per-tensor step's {tflop(fp8)[0]} TFLOP",
+        f"{fp8[0]} kernels against {flash[0]}",
+        f"({gb(fp8)[:-3]} GB against {gb(flash)[:-3]})",
+    ):
+        assert phrase in page, phrase
+    float8 = re.sub(r"\s+", " ", FLOAT8_PAGE.read_text())
+    phrase = (
+        f"needs {remat['float8 tensorwise'][7]} MB of temporary memory in "
+        f'float8 `"tensorwise"`, as in bfloat16 autocast '
+        f"({remat['autocast bfloat16'][7]} MB)"
+    )
+    assert phrase in float8, phrase
+    assert remat["float8 tensorwise"][2] == "144"  # 12 a layer, as on the H200

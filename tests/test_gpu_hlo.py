@@ -260,7 +260,9 @@ HLO = """HloModule m
   %x = f8e4m3fn[8,8]{1,0} parameter(1)
   %slice = f8e4m3fn[1,8]{1,0} dynamic-slice(%w), dynamic_slice_sizes={1,8}
   ROOT %gemm = (f32[8,8]{1,0}, s8[64]{0}) custom-call(%slice, %x), \
-custom_call_target="__cublas$lt$matmul$f8"
+custom_call_target="__cublas$lt$matmul$f8", \
+backend_config={"gemm_backend_config":\
+{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"]}}}
 }
 
 ENTRY %main (a: f32[8], b: f32[4,8], i: s32[]) -> (s32[], f32[8]) {
@@ -297,6 +299,8 @@ def test_census_counts_a_loop_body_per_iteration():
         40, 7, 13, [12],
     )  # fmt: skip
     assert found.fp8_gemms == 1
+    # Its multiply-adds: an 8 x 8 result, each over the slice's 8 columns.
+    assert dict(found.flops) == {"f8": 2 * 8 * 8 * 8}
     # The reduction reads 32 bytes and writes 1; the update reads and
     # writes its slice and index (2 * (32 + 4)), not the 128-byte buffer;
     # the copy 32 and 32; each loop fusion 32 + 32 (the condition's reads
@@ -339,3 +343,47 @@ def test_loss_scaling_adds_a_constant_number_of_gpu_kernels():
         assert rows["flax DynamicScale"].reductions == 2 * leaves
     assert added[4] == added[40] == added[64] <= 16, added
     assert flax_added[64] - added[64] > 100, (flax_added, added)
+
+
+def _has_cudnn():
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fa
+
+        fa.check_cudnn_version()
+    except Exception:  # no plugin, or no cuDNN library beside it
+        return False
+    return True
+
+
+@needs_plugin
+@pytest.mark.skipif(
+    WHY is not None or not _has_cudnn(),
+    reason="cuDNN's library (nvidia-cudnn, which jax[cuda13] brings) is "
+    "not installed beside the CUDA plugin",
+)
+def test_autocast_keeps_cudnn_flash_attention():
+    """The autocast guide's recipe: q, k and v rounded to bfloat16 by hand
+    into ``jax.nn.dot_product_attention(implementation="cudnn")``; under
+    autocast the compiled gradient (for the H200) holds cuDNN's fused
+    attention, forward and backward, and no [time, time] tensor."""
+
+    def attention(q, k, v):
+        half = jnp.bfloat16
+        out = jax.nn.dot_product_attention(
+            q.astype(half), k.astype(half), v.astype(half),
+            is_causal=True, implementation="cudnn",
+        )  # fmt: skip
+        return out.astype(q.dtype)
+
+    def loss(w, x):
+        q = jnp.einsum("btd,dhk->bthk", x, w)
+        return jnp.mean(attention(q, q, q) ** 2)
+
+    w = jax.ShapeDtypeStruct((64, 4, 64), jnp.float32)
+    x = jax.ShapeDtypeStruct((2, 256, 64), jnp.float32)
+    grad = jax.grad(lossscale.autocast(loss, jnp.bfloat16))
+    hlo, _ = gpu_hlo.compile_hlo(grad, w, x, compiler_options=gpu_hlo.CUBLAS)
+    kinds = gpu_hlo.census(hlo).kinds
+    assert kinds["custom-call:__cudnn$fmhaSoftmax"] == 1
+    assert kinds["custom-call:__cudnn$fmhaSoftmaxBackward"] == 1
+    assert "256,256]" not in hlo  # no scores written out
