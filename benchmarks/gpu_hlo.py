@@ -515,19 +515,10 @@ def optimizer_census(
     grads = jax.tree.map(lambda p: p * 2.0**10, params)
     out = {}
     for name, make in so.OPTIMIZER_VARIANTS.items():
-        if variants is not None and name not in variants:
-            continue
-        init, step = make(inner)
-        hlo, _ = compile_hlo(
-            step,
-            params,
-            init(params),
-            grads,
-            target=target,
-            donate_argnums=(0, 1),
-            compiler_options=options,
-        )
-        out[name] = census(hlo)
+        if variants is None or name in variants:
+            init, step = make(inner)
+            args = (params, init(params), grads)
+            out[name] = _donated_census(step, args, target, options)
     return out
 
 
@@ -538,40 +529,29 @@ def mlp_census(
     target: str,
     options: dict[str, Any] | None = None,
 ) -> dict[str, Census]:
-    """The float16 MLP's full train step (``step_overhead.full_step``)."""
-    so = _sibling("step_overhead")
-    params, loss_fn = so.mlp_problem(width, depth, batch)
-    inner = optax.adam(1e-4)
-    tx = so.lossscale.loss_scaled(inner, so.lossscale.DynamicLossScale(2.0**10))
-
-    def by_hand(params, state):
-        grads = jax.grad(lambda p: loss_fn(p) * 2.0**10)(params)
-        grads = jax.tree.map(lambda g: g * 2.0**-10, grads)
-        updates, state = inner.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    def wrapped(params, state):
-        scale = so.lossscale.get_loss_scale(state)
-        grads = jax.grad(lambda p: scale.scale(loss_fn(p)))(params)
-        updates, state = tx.update(grads, state, params, scaled_by=scale)
-        return optax.apply_updates(params, updates), state
-
-    steps = {
-        "plain optax, loss scaled by hand": (by_hand, inner.init),
-        "lossscale": (wrapped, tx.init),
+    """The float16 MLP's full train step (``step_overhead.mlp_steps``):
+    the loss scaled by hand, and lossscale's."""
+    params, steps = _sibling("step_overhead").mlp_steps(width, depth, batch)
+    return {
+        name: _donated_census(step, (params, init(params)), target, options)
+        for name, (step, init) in steps.items()
+        if name in ("plain optax, loss scaled by hand", "lossscale")
     }
-    out = {}
-    for name, (step, init) in steps.items():
-        hlo, _ = compile_hlo(
-            step,
-            params,
-            init(params),
-            target=target,
-            donate_argnums=(0, 1),
-            compiler_options=options,
-        )
-        out[name] = census(hlo)
-    return out
+
+
+def _donated_census(
+    step: Any, args: tuple, target: str, options: dict[str, Any] | None
+) -> Census:
+    """The census of ``step(*args)`` compiled with its params and state
+    (the first two arguments) donated, as a train loop would."""
+    hlo, _ = compile_hlo(
+        step,
+        *args,
+        target=target,
+        donate_argnums=(0, 1),
+        compiler_options=options,
+    )
+    return census(hlo)
 
 
 def autocast_census(

@@ -266,7 +266,9 @@ def mlp_problem(width: int, depth: int, batch: int):
     return params, loss_fn
 
 
-def full_step(width: int, depth: int, batch: int, rounds: int, calls: int):
+def mlp_steps(width: int, depth: int, batch: int):
+    """The float16 MLP's params and its full train steps, by name: each
+    ``(step(params, opt_state) -> (params, opt_state), init)``."""
     params, loss_fn = mlp_problem(width, depth, batch)
     inner = optax.adam(1e-4)
     tx = lossscale.loss_scaled(inner, lossscale.DynamicLossScale(2.0**10))
@@ -300,12 +302,16 @@ def full_step(width: int, depth: int, batch: int, rounds: int, calls: int):
         "cond",
         require_scaled_by=True,
     )
-    steps = {
+    return params, {
         "plain optax, loss scaled by hand": (by_hand, inner.init),
         "lossscale": wrapper(tx),
         "lossscale (cond)": wrapper(cond),
         "plain optax, unscaled": (plain, inner.init),
     }
+
+
+def full_step(width: int, depth: int, batch: int, rounds: int, calls: int):
+    params, steps = mlp_steps(width, depth, batch)
     fns = {
         name: jax.jit(f, donate_argnums=(0, 1))
         for name, (f, _) in steps.items()
