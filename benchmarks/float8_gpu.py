@@ -1,9 +1,10 @@
 """On a GPU: were the float8 matmuls really cuBLASLt float8 GEMMs, and how
 fast is the float8 step against the bfloat16 one?
 
-The demo GPT at GPT-2-small shapes (12 layers, width 1024, 16 heads,
-context 1024, batch 8 by default; vocabulary 97, so the tied output head
-stays bfloat16), written in float32, under
+The demo GPT at GPT-2 small's depth and GPT-2 medium's width (12
+layers, width 1024, 16 heads, context 1024, batch 8 by default;
+vocabulary 97, so the tied output head stays bfloat16), written in
+float32, under
 ``lossscale.autocast(loss_fn, lossscale.Float8(recipe))``. Two parts:
 
 1. **The check.** The compiled train step's HLO must hold one

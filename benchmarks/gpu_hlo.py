@@ -32,14 +32,16 @@ for every float8 dot), so ``--gemm cublas`` (the default) turns Triton
 GEMMs off, as there, and ``--gemm xla`` keeps XLA's choice.
 "GEMMs" are the library calls that do a matmul's work: cuBLAS(Lt)
 GEMMs, Triton GEMM fusions, and cuDNN's fused attention. ``bytes`` is
-each non-GEMM kernel's operands and results added up (of a
-dynamic slice or an in-place update, the slice): the memory traffic,
-about, of everything but the GEMMs, which a GPU's bandwidth bounds below
-(4.8 TB/s on an H200: 1 ms per 4.8 GB); an estimate, since the caches
-and kernels that read part of an operand are not modelled. cuDNN's
-attention needs its library to compile (``nvidia-cudnn``, which
-``jax[cuda13]`` brings; ``jax[cuda13-local]`` does not): without it
-those variants say so in place of their counts.
+each non-GEMM kernel's operands and results added up, of a stacked buffer
+only the slices that dynamic slices and gathers inside the kernel read,
+and of an in-place update only the update (a scan's stacked inputs and
+residuals): the memory traffic, about, of everything but the GEMMs, at
+4.8 TB/s on an H200 1 ms per 4.8 GB; an estimate, since caches and other
+partial reads (a broadcast, a slice) are not modelled. cuDNN's
+attention needs its library to compile (``pip install
+"nvidia-cudnn-cu13>=9.8,<10"``, which ``jax[cuda13]`` brings and
+``jax[cuda13-local]`` does not): without it those variants say so in
+place of their counts.
 
 Kernel counts are deterministic for one jax version and target; times
 are not measured here (``gpu.sh`` measures them on a GPU).
@@ -232,7 +234,7 @@ _BYTES = {
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _HEADER = re.compile(r"^(ENTRY )?%(\S+) .*\{$")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_CALLED = re.compile(r"\b(?:body|condition)=%([\w.\-]+)")
+_TRUE = re.compile(r"\btrue_computation=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _FUSION_KIND = re.compile(r"\bkind=(\w+)")
@@ -385,28 +387,90 @@ class Census:
         return self.total - self.gemms - self.reductions
 
 
-def _moved(inst: _Instruction, types: dict[str, str]) -> int:
+def _result_type(inst: _Instruction) -> str:
+    """An instruction's result type; an async ``fusion-start``'s is the
+    middle of its ``((operands), result, context)``."""
+    if inst.op != "fusion-start":
+        return inst.type
+    rest = _split_type(inst.type[1:])[1].lstrip(", ")
+    return _split_type(rest)[0].rstrip(",")
+
+
+def _read(
+    name: str, full: int, body: list[_Instruction], types: dict[str, str]
+) -> int:
+    """The bytes a fused computation reads of its value ``name`` (``full``
+    bytes): only the slices that dynamic slices and gathers take of it,
+    nothing of the buffer a dynamic update writes into in place (a scan's
+    stacked inputs and residuals, one slice an iteration), else all."""
+    total = 0
+    for user in body:
+        for position, operand in enumerate(user.operands):
+            if operand != name:
+                continue
+            if user.op == "bitcast":
+                total += _read(user.name, full, body, types)
+            elif user.op in ("dynamic-slice", "gather") and position == 0:
+                total += _type_bytes(user.type)
+            elif user.op == "dynamic-update-slice" and position == 0:
+                pass  # written in place: the update is counted as written
+            else:
+                return full
+    return min(total, full)
+
+
+def _written(
+    name: str, comps: dict[str, list[_Instruction]], body: list[_Instruction]
+) -> int:
+    """The bytes a fused computation writes of its value ``name``: of a
+    dynamic update, the update; of a tuple, each element's."""
+    inst = next(i for i in body if i.name == name)
+    types = {i.name: i.type for i in body}
+    if inst.op == "tuple":
+        return sum(_written(o, comps, body) for o in inst.operands)
+    if inst.op == "bitcast":
+        return _written(inst.operands[0], comps, body)
+    if inst.op == "dynamic-update-slice":
+        return _type_bytes(types.get(inst.operands[1], ""))
+    return _type_bytes(inst.type)
+
+
+def _moved(
+    inst: _Instruction,
+    types: dict[str, str],
+    comps: dict[str, list[_Instruction]] | None = None,
+) -> int:
     """The bytes a kernel reads and writes: its operands and results, but
-    only the slice of a buffer that a dynamic slice reads or a dynamic
-    update writes in place (a scan's stacked inputs and residuals)."""
+    of a buffer only the slices read by a dynamic slice or a gather inside
+    it, and of a dynamic update only the update written in place."""
+    comps = comps or {}
     operands = [types.get(o, "") for o in inst.operands]
-    result = inst.type
-    if inst.op == "fusion-start":
-        # ((operands), result, context): the result alone.
-        result = _split_type(inst.type[1:])[1].lstrip(", ")
-        result = _split_type(result)[0].rstrip(",")
-    calls = re.search(r"calls=%([\w.\-]+)", inst.line)
-    called = calls.group(1) if calls else ""
-    if "dynamic_update_slice" in inst.name + called or inst.op == (
-        "dynamic-update-slice"
-    ):
-        buffer = _ARRAY.findall(result)
-        return 2 * sum(
-            _type_bytes(t) for t in operands if _ARRAY.findall(t) != buffer
-        )
-    if "dynamic_slice" in inst.name + called or inst.op == "dynamic-slice":
-        return 2 * _type_bytes(result)
-    return _type_bytes(result) + sum(_type_bytes(t) for t in operands)
+    result = _result_type(inst)
+    if inst.op == "dynamic-update-slice":
+        return 2 * _type_bytes(operands[1])
+    if inst.op in ("dynamic-slice", "gather"):
+        return 2 * _type_bytes(result) + sum(map(_type_bytes, operands[1:]))
+    if inst.op == "scatter":  # reads and writes the updated elements
+        return 3 * _type_bytes(operands[-1]) + _type_bytes(operands[1])
+    called = re.search(r"calls=%([\w.\-]+)", inst.line)
+    body = comps.get(called.group(1), []) if called else []
+    if inst.op not in ("fusion", "fusion-start") or not body:
+        return _type_bytes(result) + sum(map(_type_bytes, operands))
+    body_types = {i.name: i.type for i in body}
+    params = {
+        int(m.group(1)): i.name
+        for i in body
+        if i.op == "parameter"
+        and (m := re.search(r"parameter\((\d+)\)", i.line))
+    }
+    read = sum(
+        _read(params[k], _type_bytes(t), body, body_types)
+        for k, t in enumerate(operands)
+        if k in params
+    )
+    root = next((i for i in body if i.line.lstrip().startswith("ROOT ")), None)
+    written = _written(root.name, comps, body) if root else _type_bytes(result)
+    return read + written
 
 
 _CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
@@ -465,11 +529,18 @@ def census(hlo: str) -> Census:
                 n = int(trip.group(1)) if trip and inst.op == "while" else 1
                 if inst.op == "while":
                     loops.append(n)
-                called = _CALLED.findall(inst.line)
+                body = re.search(r"\bbody=%([\w.\-]+)", inst.line)
+                condition = re.search(r"\bcondition=%([\w.\-]+)", inst.line)
+                if condition and condition.group(1) in comps:
+                    # A loop's condition runs once more than its body.
+                    walk(condition.group(1), times * (n + 1))
+                called = [body.group(1)] if body else []
                 branches = _BRANCHES.search(inst.line)
+                # A conditional runs one branch: count the first (of a
+                # boolean one, the true branch).
                 if branches:
-                    # A conditional runs one branch: count the first.
                     called.append(branches.group(1).split(",")[0].strip(" %"))
+                called += _TRUE.findall(inst.line)
                 if inst.op == "call":
                     called += re.findall(r"to_apply=%([\w.\-]+)", inst.line)
                 for sub in called:
@@ -483,7 +554,7 @@ def census(hlo: str) -> Census:
             kinds[kind] += times
             static += 1
             if not is_gemm(kind):
-                moved = _moved(inst, types) * times
+                moved = _moved(inst, types, comps) * times
                 nbytes += moved
                 source = _OP_NAME.search(inst.line)
                 sources[source.group(1) if source else "?"] += moved
@@ -716,6 +787,13 @@ def main(argv: list[str] | None = None) -> str:
         "",
     ]
     sizes = [1_000_000] if args.quick else [1_000_000, 10_000_000, 20_000_000]
+
+    def written() -> None:
+        # After each section, so that a run stopped by a time limit (as
+        # gpu.sh's parts are) leaves the sections it finished.
+        if args.out:
+            pathlib.Path(args.out).write_text("\n".join(lines))
+
     if "optimizer" in sections:
         lines += ["## Optimizer-only step (adam, float32, 40 leaves)", ""]
         for n in sizes:
@@ -723,6 +801,7 @@ def main(argv: list[str] | None = None) -> str:
             lines += _added_table(
                 rows, "plain optax", f"{n // 10**6}M parameters"
             )
+    written()
     if "leaves" in sections:
         counts = (4, 40) if args.quick else (4, 40, 160)
         lines += [
@@ -742,6 +821,7 @@ def main(argv: list[str] | None = None) -> str:
             ]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
+    written()
     if "mlp" in sections:
         width, depth, batch = (256, 2, 64) if args.quick else (1024, 4, 256)
         rows = mlp_census(width, depth, batch, args.target, options)
@@ -751,6 +831,7 @@ def main(argv: list[str] | None = None) -> str:
             f"Full train step: float16 MLP, width {width}, depth {depth}, "
             f"batch {batch}",
         )  # fmt: skip
+    written()
     if "autocast" in sections:
         gpt = _sibling("float8").gpt
         config = (
@@ -803,6 +884,7 @@ def main(argv: list[str] | None = None) -> str:
                 )
                 lines.append(f"- {name}: {top}")
             lines.append("")
+    written()
     report = "\n".join(lines)
     print(report)
     if args.out:

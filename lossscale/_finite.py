@@ -119,14 +119,16 @@ def _default_flags(leaves: Sequence[jax.Array]) -> list[jax.Array]:
 
 # On a GPU every reduction is a kernel launch (two for a large one, which
 # XLA splits), and one reduction per leaf, as flax's DynamicScale and
-# optax.apply_if_finite make, was 80 of the loss-scaled step's 133 kernels
-# for 40 leaves on an H200 (benchmarks/RESULTS-gpu-hlo.md). Leaves whose
-# type shows that each device holds them whole are ravelled, concatenated
-# and reduced once: XLA fuses the concatenation into the reduction's
-# input, so no copy is made and each gradient is still read once. A
-# fusion takes a bounded number of operands (XLA materialised the
-# concatenation of 96 leaves, not of 80, in benchmarks/gpu_hlo.py), so at
-# most _GPU_OPERANDS leaves go into one reduction. Leaves of 16 bits or
+# optax.apply_if_finite make, was 80 of the loss-scaled adam step's 133
+# kernels for 40 leaves compiled for an H200
+# (benchmarks/RESULTS-gpu-hlo-before.md). Leaves whose type shows that
+# each device holds them whole are ravelled, concatenated and reduced
+# once: XLA fuses the concatenation into the reduction's input, so no copy
+# is made and each gradient is still read once (RESULTS-gpu-hlo.md: 12
+# kernels added in all). A fusion takes a bounded number of operands
+# (compiled for an H200, the concatenation of 80 leaves fused into the
+# reduction, that of 96 was written out first), so at most _GPU_OPERANDS
+# leaves go into one reduction. Leaves of 16 bits or
 # fewer are widened to float32 (exactly: inf and NaN stay so), wider ones
 # keep their dtype (a float64 past float32's range is finite); see
 # _exact_dtype.

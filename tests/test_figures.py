@@ -406,7 +406,10 @@ def test_the_pages_quote_the_recorded_gpu_gpt_census():
         f"move about {gb(bf16)[:-3]} GB",
         f"fall to {gb(flash)} and the temporary memory from {bf16[7]} MB "
         f"to {flash[7]} MB",
-        f"{gb(hand)} with its attention written out, {gb(hand_flash)} with",
+        f"{gb(hand)} with its attention written out, {gb(hand_flash)} with "
+        f"cuDNN's (and {hand_flash[7]} MB",
+        f"Its GEMMs are {tflop(hand)[0]} TFLOP",
+        f"({bf16[1]} GEMMs against {hand[1]}:",
         f"{tflop(fp8)[1]} of the per-tensor step's {tflop(fp8)[0]} TFLOP",
         f"{fp8[0]} kernels against {flash[0]}",
         f"({gb(fp8)[:-3]} GB against {gb(flash)[:-3]})",

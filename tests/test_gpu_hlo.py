@@ -265,7 +265,33 @@ backend_config={"gemm_backend_config":\
 {"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"]}}}
 }
 
-ENTRY %main (a: f32[8], b: f32[4,8], i: s32[]) -> (s32[], f32[8]) {
+%fused_dynamic_update_slice (b: f32[4,8], i: s32[], a: f32[8]) -> f32[4,8] {
+  %b = f32[4,8]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %a = f32[8]{0} parameter(2)
+  %row = f32[1,8]{1,0} bitcast(%a)
+  %zero = s32[] constant(0)
+  ROOT %u = f32[4,8]{1,0} dynamic-update-slice(%b, %row, %i, %zero)
+}
+
+%fused_slice_tanh (b: f32[4,8], i: s32[]) -> f32[1,8] {
+  %b = f32[4,8]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %row = f32[1,8]{1,0} dynamic-slice(%b, %i, %zero), dynamic_slice_sizes={1,8}
+  ROOT %t = f32[1,8]{1,0} tanh(%row)
+}
+
+%yes (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %y = f32[8]{0} custom-call(%p, %p), custom_call_target="__cublas$gemm"
+}
+
+%no (p: f32[8]) -> f32[8] {
+  ROOT %p = f32[8]{0} parameter(0)
+}
+
+ENTRY %main (a: f32[8], b: f32[4,8], i: s32[], p: pred[]) -> (s32[], f32[8]) {
   %a = f32[8]{0} parameter(0)
   %b = f32[4,8]{1,0} parameter(1)
   %i = s32[] parameter(2)
@@ -274,6 +300,10 @@ ENTRY %main (a: f32[8], b: f32[4,8], i: s32[]) -> (s32[], f32[8]) {
 fusion-start(%b, %i, %a), kind=kLoop, calls=%fused_dynamic_update_slice
   %d = f32[4,8]{1,0} fusion-done(%s)
   %q = (f32[8,8]{1,0}, s8[64]{0}) fusion(%b, %a), kind=kCustom, calls=%dsf
+  %t = f32[1,8]{1,0} fusion(%b, %i), kind=kLoop, calls=%fused_slice_tanh
+  %p = pred[] parameter(3)
+  %k = f32[8]{0} conditional(%p, %a, %a), true_computation=%yes, \
+false_computation=%no
   %w = (s32[], f32[8]{0}) while(%t0), condition=%cond, body=%body, \
 backend_config={"known_trip_count":{"n":"12"}}
   ROOT %c = f32[8]{0} copy(%a)
@@ -284,28 +314,31 @@ backend_config={"known_trip_count":{"n":"12"}}
 def test_census_counts_a_loop_body_per_iteration():
     """A hand-written module: the reduction, the asynchronous in-place
     update (one kernel, its -done launches none), a float8 GEMM on a
-    dynamic slice (a fusion around a cuBLASLt call: the GEMM), the copy,
-    and the loop's body (a fusion and a GEMM) and condition 12 times
-    each."""
+    dynamic slice (a fusion around a cuBLASLt call: the GEMM), a fusion
+    that slices a row of a buffer, a boolean conditional (its true
+    branch's GEMM counted, as if taken), the copy, and the loop's body (a
+    fusion and a GEMM) 12 times and its condition 13."""
     found = gpu_hlo.census(HLO)
     assert dict(found.kinds) == {
         "fusion:kInput": 1,
         "copy": 1,
-        "fusion:kLoop": 1 + 24,
+        "fusion:kLoop": 1 + 1 + 12 + 13,
         "custom-call:__cublas$lt$matmul$f8": 1,
-        "custom-call:__cublas$gemm": 12,
+        "custom-call:__cublas$gemm": 1 + 12,
+        "conditional": 1,
     }
     assert (found.total, found.static, found.gemms, found.loops) == (
-        40, 7, 13, [12],
+        44, 10, 14, [12],
     )  # fmt: skip
     assert found.fp8_gemms == 1
     # Its multiply-adds: an 8 x 8 result, each over the slice's 8 columns.
     assert dict(found.flops) == {"f8": 2 * 8 * 8 * 8}
-    # The reduction reads 32 bytes and writes 1; the update reads and
-    # writes its slice and index (2 * (32 + 4)), not the 128-byte buffer;
-    # the copy 32 and 32; each loop fusion 32 + 32 (the condition's reads
-    # its tuple: 36 + 1).
-    assert found.bytes == 33 + 72 + 64 + 12 * 64 + 12 * 37
+    # The reduction reads 32 bytes and writes 1; the update reads its
+    # index and row (4 + 32) and writes the row (32), not the 128-byte
+    # buffer; the slicing fusion reads its index and a row (4 + 32) and
+    # writes a row (32); the copy 32 and 32; each loop fusion 32 + 32 (the
+    # condition's reads its tuple: 36 + 1).
+    assert found.bytes == 33 + 68 + 68 + 64 + 12 * 64 + 13 * 37
 
 
 @needs_plugin
@@ -358,8 +391,8 @@ def _has_cudnn():
 @needs_plugin
 @pytest.mark.skipif(
     WHY is not None or not _has_cudnn(),
-    reason="cuDNN's library (nvidia-cudnn, which jax[cuda13] brings) is "
-    "not installed beside the CUDA plugin",
+    reason="cuDNN's library (nvidia-cudnn-cu13, which jax[cuda13] brings; "
+    "CI's .venv-gpu-hlo has it) is not installed beside the CUDA plugin",
 )
 def test_autocast_keeps_cudnn_flash_attention():
     """The autocast guide's recipe: q, k and v rounded to bfloat16 by hand
