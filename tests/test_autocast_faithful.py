@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import SingleDeviceSharding
 
 import lossscale
 from lossscale import _compat
@@ -119,8 +118,12 @@ def test_inner_jit_out_shardings_keep_the_result_on_its_device():
     devices = jax.devices()
     if len(devices) < 3:
         pytest.skip("needs 3 devices (conftest asks for 8 CPU devices)")
+    # jax 0.12 deprecates the class for this factory.
+    single_device = getattr(jax.sharding, "make_single_device_sharding", None)
+    if single_device is None:
+        single_device = jax.sharding.SingleDeviceSharding
     pinned = jax.jit(
-        lambda h: jnp.tanh(h), out_shardings=SingleDeviceSharding(devices[2])
+        lambda h: jnp.tanh(h), out_shardings=single_device(devices[2])
     )
 
     def f(w, x):

@@ -23,9 +23,26 @@ import lossscale
 F16 = jnp.float16
 
 
+# XLA:CPU's YNNPACK fusions compute in float32 and a convert is never fused
+# into one: a dot's float16 result is written in float32 and converted, and
+# jax 0.12's logsumexp differentiates through softmax(logits), which becomes
+# one YNNPACK fusion reading a float32 copy of the logits. So 16-bit steps
+# hold float32 copies that a GPU's fusions would not (jax 0.12.1: the head's
+# float32 step needs 32.8 MB, its hand-cast one 65.6, autocast's 82.0). The
+# targets are the fusing compiler's: YNNPACK's fusions are turned off where
+# jaxlib has the option (jaxlib 0.7 has not, and makes none here).
+NO_YNN_FUSIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
 def temp_bytes(loss, *args):
-    step = jax.jit(jax.grad(loss))
-    return step.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    lowered = jax.jit(jax.grad(loss)).lower(*args)
+    try:
+        compiled = lowered.compile(compiler_options=NO_YNN_FUSIONS)
+    except Exception as error:  # jaxlib raises XlaRuntimeError or ValueError
+        if "No such compile option" not in str(error):
+            raise
+        compiled = lowered.compile()
+    return compiled.memory_analysis().temp_size_in_bytes
 
 
 def memory(loss, hand, *args):

@@ -146,10 +146,15 @@ def test_training_per_group_scales_settle_apart():
     state, enc_underflow = train(grouped=True)
     m = lossscale.metrics(state)
     # Each group found its own range: the decoder backed off far, the
-    # encoder stayed high, and in the second half nothing underflowed.
+    # encoder stayed high, and in the second half almost nothing flushed to
+    # zero. Not nothing: on jax 0.12.1 one of the encoder's 30,208 gradient
+    # values in the last step is zero where float32's is 4.9e-10
+    # (1e-6 at the encoder's scale of 2048, above float16's smallest
+    # subnormal): a float16 matmul's sum cancelling to zero, which no
+    # scale cures.
     assert float(m["loss_scale/dec"]) <= 2.0**4
     assert float(m["loss_scale/enc"]) >= 2.0**10
-    assert enc_underflow == 0.0
+    assert enc_underflow < 1e-5
     assert int(m["skipped_steps"]) < 30
     # Negative control: one shared scale settles where the decoder does
     # not overflow, and the encoder's gradients underflow.
