@@ -898,10 +898,9 @@ def _dot_primitive() -> Any:
         ]
         if any(unks_in):
             return None, eqn, [True] * n, [True] * n, res
-        (dot,) = (
-            e for e in eqn.params["jaxpr"].jaxpr.eqns
-            if e.primitive is lax.dot_general_p
-        )  # fmt: skip
+        # The written dot (a float8 product's platform_dependent has a
+        # CUDA one too, of the same dimension numbers).
+        dot = _first_dot(eqn.params["jaxpr"].jaxpr)
         policy = ensure_enum(
             saveable(dot.primitive, *(v.aval for v in dot.invars), **dot.params)
         )
@@ -919,6 +918,20 @@ def _dot_primitive() -> Any:
     batching.primitive_batchers[primitive] = batch
     rules[primitive] = remat_rule
     return primitive
+
+
+def _first_dot(jaxpr: Any) -> Any:
+    """The first ``dot_general`` equation of an open jaxpr, searched depth
+    first through its higher-order equations' jaxprs, last branch first
+    (``lax.platform_dependent``'s default is a ``cond``'s last)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is lax.dot_general_p:
+            return eqn
+        for sub in reversed(sub_jaxprs(eqn)):
+            found = _first_dot(sub)
+            if found is not None:
+                return found
+    return None
 
 
 _DOT = _dot_primitive()

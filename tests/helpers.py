@@ -108,15 +108,28 @@ def loss_scaled(inner, loss_scale, *, impl="select", **kwargs):
         return lossscale.loss_scaled(inner, loss_scale, **kwargs)
 
 
-def equations(jaxpr):
-    """Every equation of a jaxpr and of the jaxprs in its params, in order."""
+def equations(jaxpr, platform="cpu"):
+    """Every equation of a jaxpr and of the jaxprs in its params, in order.
+
+    Of a ``lax.platform_dependent`` (a ``cond`` with ``branches_platforms``)
+    only the branch that ``platform`` lowers (its own, else the default):
+    the program the tests run. ``platform=None``: every branch.
+    """
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     for eqn in jaxpr.eqns:
         yield eqn
-        for value in eqn.params.values():
+        params = dict(eqn.params)
+        chosen = params.pop("branches_platforms", None)
+        if chosen is not None and platform is not None:
+            index = next(
+                (i for i, ps in enumerate(chosen) if ps and platform in ps),
+                chosen.index(None) if None in chosen else None,
+            )
+            params["branches"] = (params["branches"][index],)
+        for value in params.values():
             for sub in value if isinstance(value, tuple) else (value,):
                 if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
-                    yield from equations(sub)
+                    yield from equations(sub, platform)
 
 
 def operand_dtypes(jaxpr, primitive, *, prefix=False):

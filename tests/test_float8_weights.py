@@ -38,11 +38,12 @@ GATHER = (
 )
 
 
-def dot_dtypes(jaxpr):
-    """The operand dtypes of every dot_general, nested ones included."""
+def dot_dtypes(jaxpr, platform="cpu"):
+    """The operand dtypes of every dot_general, nested ones included, that
+    ``platform`` runs."""
     return [
         tuple(np.dtype(v.aval.dtype).name for v in eqn.invars)
-        for eqn in equations(jaxpr)
+        for eqn in equations(jaxpr, platform)
         if eqn.primitive.name == "dot_general"
     ]
 
@@ -102,10 +103,12 @@ class EitherSide(chex.TestCase):
         assert error < 2**-8, layer
         # The jaxpr of both gradients: the weight's from 16-bit operands
         # (the matmul whose result has the weight's size), the input's
-        # float8 (an e4m3 gradient, as torchao's), the forward e4m3 too.
+        # float8 (an e4m3 gradient, as torchao's), the forward e4m3 too,
+        # as a GPU runs them (on CPU the 16-bit operands are multiplied in
+        # float32).
         jaxpr = jax.make_jaxpr(jax.grad(f8, (0, 1)))(w, X)
         sizes = {kind: set() for kind in ("float8", "bfloat16")}
-        for eqn in equations(jaxpr):
+        for eqn in equations(jaxpr, "cuda"):
             if eqn.primitive.name == "dot_general":
                 kind = np.dtype(eqn.invars[0].aval.dtype).name
                 kind = "float8" if "float8" in kind else kind
@@ -445,7 +448,8 @@ def test_a_new_recipe_is_one_row():
         (E4, E4),
         (E4, E5),
     ]
-    assert ("bfloat16", "bfloat16") in dot_dtypes(jaxpr)
+    # (on CPU its 16-bit operands are multiplied in float32)
+    assert ("bfloat16", "bfloat16") in dot_dtypes(jaxpr, "cuda")
     # Its weight gradient is tensorwise's input gradient's partner, 16-bit:
     # at bfloat16's level.
     exact = jax.grad(_linear_loss(LAYERS["x @ w"][0]))(w, X)

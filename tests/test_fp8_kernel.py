@@ -356,13 +356,15 @@ def dense_loss(config):
     return loss
 
 
-def dots(jaxpr):
+def dots(jaxpr, platform="cpu"):
+    """(operand dtypes, result dtype) of each dot_general that
+    ``platform`` runs."""
     return [
         (
             sorted(np.dtype(v.aval.dtype).name for v in eqn.invars),
             np.dtype(eqn.params["preferred_element_type"]),
         )
-        for eqn in equations(jaxpr)
+        for eqn in equations(jaxpr, platform)
         if eqn.primitive.name == "dot_general"
     ]
 
@@ -381,12 +383,12 @@ def test_forward_e4m3_backward_by_the_recipe_float32_accumulation(config):
     backward = sorted(found[1:])
     if config == "rowwise_with_gw_hp":
         # the weight's gradient from compute-dtype operands, no float8,
-        # accumulated in float32 (lax.platform_dependent's two branches:
-        # the 16-bit GEMM, and on CPU float32 products of the 16-bit values)
-        # and the input's from an e4m3 gradient (torchao's)
-        assert backward == [
+        # accumulated in float32 (on CPU float32 products of the 16-bit
+        # values, on a GPU the 16-bit GEMM) and the input's from an e4m3
+        # gradient (torchao's)
+        assert backward == [(["float32", "float32"], F32), ([e4, e4], F32)]
+        assert sorted(dots(jaxpr, "cuda")[1:]) == [
             (["bfloat16", "bfloat16"], F32),
-            (["float32", "float32"], F32),
             ([e4, e4], F32),
         ]
         assert fp8_check.count_fp8_dots(jaxpr) == (2, 0, 0)
@@ -397,6 +399,15 @@ def test_forward_e4m3_backward_by_the_recipe_float32_accumulation(config):
     else:
         assert backward == [([e4, e5], F32), ([e4, e5], F32)]
         assert fp8_check.count_fp8_dots(jaxpr) == (1, 2, 0)
+        # On CUDA each operand is dequantised to the result's dtype, for
+        # XLA's rewriter (test_gpu_hlo.py reads the cuBLASLt GEMMs it
+        # makes): the forward's in bfloat16, both cotangents in their
+        # operands' float32.
+        assert dots(jaxpr, "cuda") == [
+            (["bfloat16", "bfloat16"], np.dtype("bfloat16")),
+            (["float32", "float32"], F32),
+            (["float32", "float32"], F32),
+        ]
     # Direct quantisation: nothing is converted from float8 to a wider type
     # before a matmul (the "QDQ" pattern XLA's rewrite may miss).
     for eqn in equations(jaxpr):

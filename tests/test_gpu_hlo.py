@@ -445,3 +445,59 @@ def test_autocast_lm_head_memory_on_the_gpu_compile():
     auto = temp(lossscale.autocast(head.lm_head, jnp.float16))
     assert auto <= 1.10 * by_hand, (auto / 1e6, by_hand / 1e6, f32 / 1e6)
     assert auto < f32, (auto / 1e6, f32 / 1e6)
+
+
+_FP8_GEMM = re.compile(
+    r"= \((\w+)\[([\d,]*)\]\{[^}]*\}, s8\[\d+\]\{0\}\) "
+    r"custom-call\(([^)]*)\), custom_call_target=\"__cublas\$lt\$matmul\$f8\""
+)
+
+
+def _fp8_gemms(recipe, compute_dtype=jnp.bfloat16):
+    """The cuBLASLt float8 GEMMs of a float8 dense layer's gradient
+    compiled for the H200: (result type, operands) of each."""
+    from lossscale._autocast import _fp8
+
+    dims = (((1,), (0,)), ((), ()))
+    config = lossscale.Float8(recipe, compute_dtype=compute_dtype)
+
+    def loss(x, w):
+        y = _fp8.dot_general(x, w, dims, config)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    x = jax.ShapeDtypeStruct((256, 128), compute_dtype)
+    w = jax.ShapeDtypeStruct((128, 512), jnp.float32)
+    step = jax.value_and_grad(loss, argnums=(0, 1))
+    hlo, _ = gpu_hlo.compile_hlo(step, x, w, compiler_options=gpu_hlo.CUBLAS)
+    return sorted(
+        (f"{dtype}[{shape}]", [a.strip() for a in operands.split(",")])
+        for dtype, shape, operands in _FP8_GEMM.findall(hlo)
+    )
+
+
+@needs_plugin
+def test_per_tensor_float8_gemms_take_both_scales_and_write_the_result():
+    """On CUDA a per-tensor float8 product is written as XLA's rewriter
+    wants it (each operand dequantised into the result's dtype): each
+    cuBLASLt GEMM takes both operands' inverse scales (no constant 1
+    among its scale operands) and writes the product's dtype itself (the
+    forward's and the bfloat16 input's gradient in bfloat16, the float32
+    weight's in float32), with no float32 result cast by another kernel.
+    The negative controls: per-row scales cannot be a GEMM's, and those
+    GEMMs write float32 for a kernel to scale; nor do float16 products'
+    (their inverse scales would flush in float16 where a GPU has no
+    float8 GEMM), but the float32 weight's gradient."""
+    gemms = _fp8_gemms("tensorwise")
+    assert [result for result, _ in gemms] == [
+        "bf16[256,128]", "bf16[256,512]", "f32[128,512]",
+    ]  # fmt: skip
+    for _, operands in gemms:
+        assert len(operands) == 4, operands  # a, b, a's scale, b's scale
+        assert not any(o.startswith("%constant") for o in operands), operands
+    rowwise = _fp8_gemms("rowwise")
+    assert len(rowwise) == 3
+    assert all(result.startswith("f32[") for result, _ in rowwise), rowwise
+    half = _fp8_gemms("tensorwise", jnp.float16)
+    assert [result for result, _ in half] == [
+        "f32[128,512]", "f32[256,128]", "f32[256,512]",
+    ]  # fmt: skip
