@@ -865,22 +865,34 @@ def _dot_primitive() -> Any:
 
     primitive = jex_core.Primitive("lossscale_float8_dot")
 
-    def evaluate(*args: Any, jaxpr: Any) -> Any:
+    def evaluate(*args: Any, jaxpr: Any, cuda: Any) -> Any:
+        del cuda
         return jex_core.jaxpr_as_fun(jaxpr)(*args)[0]
 
-    def abstract_eval(*args: Any, jaxpr: Any) -> Any:
-        del args
+    def abstract_eval(*args: Any, jaxpr: Any, cuda: Any) -> Any:
+        del args, cuda
         return jaxpr.out_avals[0]
 
-    def batch(args: Sequence[Any], dims: Sequence[Any], *, jaxpr: Any) -> Any:
+    def batch(
+        args: Sequence[Any], dims: Sequence[Any], *, jaxpr: Any, cuda: Any
+    ) -> Any:
         # The vmapped jaxpr bound again: its dot_general is the one that
         # a 16-bit matmul vmapped the same way would be (a batch axis for
-        # a batched operand of each side), for the policy to judge.
+        # a batched operand of each side), for the policy to judge. The
+        # CUDA form is for the unbatched shapes: the jaxpr lowers there too.
         fun = jax.vmap(
-            functools.partial(evaluate, jaxpr=jaxpr),
+            functools.partial(evaluate, jaxpr=jaxpr, cuda=cuda),
             in_axes=tuple(dims),
         )
         return bind_as_dot(jax.jit(fun).trace(*args).jaxpr, args), 0
+
+    def lower_for_cuda(ctx: Any, *args: Any, jaxpr: Any, cuda: Any) -> Any:
+        if cuda is None:
+            fun = functools.partial(evaluate, jaxpr=jaxpr, cuda=None)
+        else:
+            form, spec = cuda
+            fun = functools.partial(form, spec=spec)
+        return mlir.lower_fun(fun, multiple_results=False)(ctx, *args)
 
     def remat_rule(
         saveable: Any, unks_in: Sequence[bool], inst_in: Sequence[bool],
@@ -898,9 +910,10 @@ def _dot_primitive() -> Any:
         ]
         if any(unks_in):
             return None, eqn, [True] * n, [True] * n, res
-        # The written dot (a float8 product's platform_dependent has a
-        # CUDA one too, of the same dimension numbers).
-        dot = _first_dot(eqn.params["jaxpr"].jaxpr)
+        (dot,) = (
+            e for e in eqn.params["jaxpr"].jaxpr.eqns
+            if e.primitive is lax.dot_general_p
+        )  # fmt: skip
         policy = ensure_enum(
             saveable(dot.primitive, *(v.aval for v in dot.invars), **dot.params)
         )
@@ -915,36 +928,31 @@ def _dot_primitive() -> Any:
     mlir.register_lowering(
         primitive, mlir.lower_fun(evaluate, multiple_results=False)
     )
+    mlir.register_lowering(primitive, lower_for_cuda, platform="cuda")
     batching.primitive_batchers[primitive] = batch
     rules[primitive] = remat_rule
     return primitive
 
 
-def _first_dot(jaxpr: Any) -> Any:
-    """The first ``dot_general`` equation of an open jaxpr, searched depth
-    first through its higher-order equations' jaxprs, last branch first
-    (``lax.platform_dependent``'s default is a ``cond``'s last)."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive is lax.dot_general_p:
-            return eqn
-        for sub in reversed(sub_jaxprs(eqn)):
-            found = _first_dot(sub)
-            if found is not None:
-                return found
-    return None
-
-
 _DOT = _dot_primitive()
 
 
-def bind_as_dot(jaxpr: Any, args: Sequence[Any]) -> Any:
+def bind_as_dot(jaxpr: Any, args: Sequence[Any], cuda: Any = None) -> Any:
     """The one result of the closed ``jaxpr`` (which holds one
     ``dot_general``) on ``args``, as one equation that a ``jax.checkpoint``
     policy saves or recomputes as a whole, as it decides for that
-    ``dot_general``."""
+    ``dot_general``.
+
+    ``cuda``: ``(form, spec)``, where a CUDA lowering lowers
+    ``form(*args, spec=spec)`` in place of the jaxpr (the same result, in
+    the form XLA's GPU compiler wants; a module-level function and a
+    hashable ``spec``), or ``None``. Not a ``lax.platform_dependent``:
+    that traces both forms at every matmul (the float8 step's trace and
+    lowering 1.26x bfloat16's, scanned, where the limit is 1.2x).
+    """
     if _DOT is None:  # pragma: no cover
         return jex_core.jaxpr_as_fun(jaxpr)(*args)[0]
-    return _DOT.bind(*args, jaxpr=jaxpr)
+    return _DOT.bind(*args, jaxpr=jaxpr, cuda=cuda)
 
 
 # --- a primitive lowered by hand -----------------------------------------

@@ -447,15 +447,15 @@ def test_autocast_lm_head_memory_on_the_gpu_compile():
     assert auto < f32, (auto / 1e6, f32 / 1e6)
 
 
-_FP8_GEMM = re.compile(
-    r"= \((\w+)\[([\d,]*)\]\{[^}]*\}, s8\[\d+\]\{0\}\) "
-    r"custom-call\(([^)]*)\), custom_call_target=\"__cublas\$lt\$matmul\$f8\""
+_STABLEHLO_DOT = re.compile(
+    r"stablehlo.dot_general.*?: \((tensor<[^>]*>), (tensor<[^>]*>)\) -> "
+    r"(tensor<[^>]*>)"
 )
 
 
-def _fp8_gemms(recipe, compute_dtype=jnp.bfloat16):
-    """The cuBLASLt float8 GEMMs of a float8 dense layer's gradient
-    compiled for the H200: (result type, operands) of each."""
+def _dense_float8_grad(recipe, compute_dtype=jnp.bfloat16):
+    """A float8 dense layer's loss and gradients, and its arguments' shapes
+    (a bfloat16 input, a float32 weight)."""
     from lossscale._autocast import _fp8
 
     dims = (((1,), (0,)), ((), ()))
@@ -467,7 +467,46 @@ def _fp8_gemms(recipe, compute_dtype=jnp.bfloat16):
 
     x = jax.ShapeDtypeStruct((256, 128), compute_dtype)
     w = jax.ShapeDtypeStruct((128, 512), jnp.float32)
-    step = jax.value_and_grad(loss, argnums=(0, 1))
+    return jax.value_and_grad(loss, argnums=(0, 1)), (x, w)
+
+
+def _stablehlo_dots(recipe, platform):
+    step, args = _dense_float8_grad(recipe)
+    exported = export.export(jax.jit(step), platforms=(platform,))(*args)
+    return [
+        tuple(re.sub(r"tensor<[\dx]*x", "", t).rstrip(">") for t in types)
+        for types in _STABLEHLO_DOT.findall(exported.mlir_module())
+    ]
+
+
+def test_cuda_lowers_per_tensor_float8_products_dequantised():
+    """Lowered for CUDA (on any machine), a per-tensor float8 product is
+    one matmul in its result's dtype of operands dequantised into it (what
+    XLA rewrites into a cuBLASLt float8 GEMM that writes that dtype): the
+    forward's and the bfloat16 input's gradient in bfloat16, the float32
+    weight's in float32. Lowered for CPU, the same program is written with
+    float8 operands and float32 results; row-wise scales are written so on
+    CUDA too (the negative control)."""
+    bf16, f32, e4, e5 = "bf16", "f32", "f8E4M3FN", "f8E5M2"
+    assert _stablehlo_dots("tensorwise", "cuda") == [
+        (bf16, bf16, bf16), (bf16, bf16, bf16), (f32, f32, f32),
+    ]  # fmt: skip
+    assert _stablehlo_dots("tensorwise", "cpu") == [
+        (e4, e4, f32), (e5, e4, f32), (e5, e4, f32),
+    ]  # fmt: skip
+    assert _stablehlo_dots("rowwise", "cuda") == [(e4, e4, f32)] * 3
+
+
+_FP8_GEMM = re.compile(
+    r"= \((\w+)\[([\d,]*)\]\{[^}]*\}, s8\[\d+\]\{0\}\) "
+    r"custom-call\(([^)]*)\), custom_call_target=\"__cublas\$lt\$matmul\$f8\""
+)
+
+
+def _fp8_gemms(recipe, compute_dtype=jnp.bfloat16):
+    """The cuBLASLt float8 GEMMs of a float8 dense layer's gradient
+    compiled for the H200: (result type, operands) of each."""
+    step, (x, w) = _dense_float8_grad(recipe, compute_dtype)
     hlo, _ = gpu_hlo.compile_hlo(step, x, w, compiler_options=gpu_hlo.CUBLAS)
     return sorted(
         (f"{dtype}[{shape}]", [a.strip() for a in operands.split(",")])

@@ -178,90 +178,106 @@ def _inverse_in_output(
     return inverse if inverse.shape == shape else lax.reshape(inverse, shape)
 
 
-# The result dtypes of the dequantised form of a per-tensor float8 product
-# on CUDA (:func:`_scaled_dot`). Not float16: the inverse scale, rounded to
-# float16 where XLA does not rewrite the form (a GPU without float8 GEMMs),
-# flushes to zero or loses its precision below a largest magnitude of
-# 448 x 2**-14 (0.027), as gradients' often are.
-_DEQUANTIZED_OUTPUTS = frozenset(np.dtype(d) for d in ("bfloat16", "float32"))
-
-
-@functools.partial(_compat.inline_jit, static_argnums=(4, 5, 6, 7))
+@functools.partial(_compat.inline_jit, static_argnums=(4, 5))
 def _scaled_dot(
+    qa: jax.Array, sa: jax.Array, qb: jax.Array, sb: jax.Array,
+    dims: Dims, out_sharding: Any,
+) -> jax.Array:  # fmt: skip
+    """``dot(qa, qb) / (sa * sb)`` in float32: one float8 matmul, then its
+    output times the inverse scales (first ``qa``'s, then ``qb``'s)."""
+    (ac, bc), (ab, bb) = dims
+    out = lax.dot_general(
+        qa,
+        qb,
+        dims,
+        preferred_element_type=F32,
+        out_sharding=out_sharding,
+    )
+    a_free = qa.ndim - len(ac) - len(ab)
+    b_free = qb.ndim - len(bc) - len(bb)
+    inv_a = _inverse_in_output(sa, ac, ab, qa.ndim, b_free, True)
+    inv_b = _inverse_in_output(sb, bc, bb, qb.ndim, a_free, False)
+    # Row-wise scales are sharded as their operands: they must not reshard
+    # the product (explicit mesh axes) away from its out_sharding.
+    out = out * _compat.sharded_for(inv_a, out)
+    return out * _compat.sharded_for(inv_b, out)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7))
+def _product(
     qa: jax.Array, sa: jax.Array, qb: jax.Array, sb: jax.Array,
     dims: Dims, out_sharding: Any, out_axes: tuple[int, ...] | None,
     dtype: np.dtype,
 ) -> jax.Array:  # fmt: skip
-    """``dot(qa, qb) / (sa * sb)``, accumulated in float32, transposed by
-    ``out_axes`` (``None``: not at all), rounded to ``dtype`` once.
-
-    As written (every platform but CUDA's): one float8 matmul, its float32
-    output times the inverse scales (first ``qa``'s, then ``qb``'s), the
-    cast. On CUDA, with one scale per operand and a bfloat16 or float32
-    ``dtype``: each operand dequantised into ``dtype`` (``q * (1 / s)``)
-    and one ``dtype`` matmul, the pattern XLA's GEMM rewriter turns into a
-    cuBLASLt float8 GEMM that takes both inverse scales in float32 and
-    writes ``dtype`` itself (flax's ``fp8_ops`` feeds it the same): the
-    same float32 accumulation and scaling, rounded once. XLA's GPU
-    compiler made the written form a GEMM writing float32 with one of the
-    scales, and a kernel scaling and casting its output (a [8192, 1024] x
-    [1024, 4096] product's temporary memory 138.4 MB against 8.4 MB, the
-    H200's compile, jax 0.10.2). Where the rewriter does not take it (a
-    GPU without float8 GEMMs; ``benchmarks/fp8_check.py`` counts them),
-    the dot runs in ``dtype`` on operands rounded to ``dtype``.
-    """
-
-    def written() -> jax.Array:
-        (ac, bc), (ab, bb) = dims
-        out = lax.dot_general(
-            qa,
-            qb,
-            dims,
-            preferred_element_type=F32,
-            out_sharding=out_sharding,
-        )
-        a_free = qa.ndim - len(ac) - len(ab)
-        b_free = qb.ndim - len(bc) - len(bb)
-        inv_a = _inverse_in_output(sa, ac, ab, qa.ndim, b_free, True)
-        inv_b = _inverse_in_output(sb, bc, bb, qb.ndim, a_free, False)
-        # Row-wise scales are sharded as their operands: they must not
-        # reshard the product (explicit mesh axes) away from its
-        # out_sharding.
-        out = out * _compat.sharded_for(inv_a, out)
-        out = out * _compat.sharded_for(inv_b, out)
-        if out_axes is not None:
-            out = lax.transpose(out, out_axes)
-        return out.astype(dtype)
-
-    if sa.ndim or sb.ndim or dtype not in _DEQUANTIZED_OUTPUTS:
-        return written()
-
-    def dequantized() -> jax.Array:
-        def dequantize(q: jax.Array, scale: jax.Array) -> jax.Array:
-            inverse = lax.div(np.float32(1), scale).astype(dtype)
-            return q.astype(dtype) * inverse
-
-        out = lax.dot_general(
-            dequantize(qa, sa),
-            dequantize(qb, sb),
-            dims,
-            preferred_element_type=dtype,
-            out_sharding=out_sharding,
-        )
-        return out if out_axes is None else lax.transpose(out, out_axes)
-
-    return lax.platform_dependent(cuda=dequantized, default=written)
-
-
-@functools.partial(jax.jit, static_argnums=(4, 5, 6))
-def _product(
-    qa: jax.Array, sa: jax.Array, qb: jax.Array, sb: jax.Array,
-    dims: Dims, out_sharding: Any, dtype: np.dtype,
-) -> jax.Array:  # fmt: skip
-    """The forward product in ``dtype``: :func:`_scaled_dot`. Traced
+    """A product in ``dtype``: :func:`_scaled_dot`, transposed by
+    ``out_axes`` (``None``: not at all), then the cast. Traced
     (``_product.trace``), never called: a jit traces once per
     signature."""
-    return _scaled_dot(qa, sa, qb, sb, dims, out_sharding, None, dtype)
+    out = _scaled_dot(qa, sa, qb, sb, dims, out_sharding)
+    if out_axes is not None:
+        out = lax.transpose(out, out_axes)
+    return out.astype(dtype)
+
+
+# The result dtypes of :func:`_dequantized`. Not float16: the inverse
+# scale, rounded to float16 where XLA does not rewrite the form (a GPU
+# without float8 GEMMs), flushes to zero or loses its precision below a
+# largest magnitude of 448 x 2**-14 (0.027), as gradients' often are.
+_DEQUANTIZED_OUTPUTS = frozenset(np.dtype(d) for d in ("bfloat16", "float32"))
+
+
+def _dequantized(
+    qa: jax.Array, sa: jax.Array, qb: jax.Array, sb: jax.Array, *,
+    spec: tuple[Dims, Any, tuple[int, ...] | None, np.dtype],
+) -> jax.Array:  # fmt: skip
+    """:func:`_product` of per-tensor scales as CUDA lowers it: each
+    operand dequantised into the result's dtype (``q * (1 / s)``) and one
+    matmul in that dtype, the pattern XLA's GEMM rewriter turns into a
+    cuBLASLt float8 GEMM that takes both inverse scales in float32 and
+    writes the result itself (flax's ``fp8_ops`` feeds it the same): the
+    same float32 accumulation and scaling, rounded once.
+
+    XLA's GPU compiler made :func:`_product`'s form a GEMM writing float32
+    with one of the scales, and a kernel scaling and casting its output
+    (a [8192, 1024] x [1024, 4096] product's temporary memory 138.4 MB
+    against 8.4 MB, the H200's compile, jax 0.10.2). Where the rewriter
+    does not take this form (a GPU without float8 GEMMs;
+    ``benchmarks/fp8_check.py`` counts them), the dot runs in the result's
+    dtype on operands rounded to it.
+    """
+    dims, out_sharding, out_axes, dtype = spec
+
+    def dequantize(q: jax.Array, scale: jax.Array) -> jax.Array:
+        return q.astype(dtype) * lax.div(np.float32(1), scale).astype(dtype)
+
+    out = lax.dot_general(
+        dequantize(qa, sa),
+        dequantize(qb, sb),
+        dims,
+        preferred_element_type=dtype,
+        out_sharding=out_sharding,
+    )
+    return out if out_axes is None else lax.transpose(out, out_axes)
+
+
+def _bind_product(
+    args: tuple[jax.Array, jax.Array, jax.Array, jax.Array],
+    dims: Dims, out_sharding: Any, out_axes: tuple[int, ...] | None,
+    dtype: np.dtype,
+) -> jax.Array:  # fmt: skip
+    """:func:`_product` as one equation (``_compat.bind_as_dot``), which
+    CUDA lowers as :func:`_dequantized` where both scales are per tensor
+    and ``dtype`` is one it writes."""
+    static = (dims, out_sharding, out_axes, dtype)
+    jaxpr = _product.trace(*args, *static).jaxpr
+    _, sa, _, sb = args
+    per_tensor = not sa.ndim and not sb.ndim
+    cuda = (
+        (_dequantized, static)
+        if per_tensor and dtype in _DEQUANTIZED_OUTPUTS
+        else None
+    )
+    return _compat.bind_as_dot(jaxpr, args, cuda)
 
 
 # --- the matmul and its derivative -----------------------------------------
@@ -297,10 +313,9 @@ def _forward(
     # a dots-saveable policy saves its compute-dtype result, not the
     # float32 accumulator inside.
     args = (q_lhs, s_lhs, q_rhs, s_rhs)
-    jaxpr = _product.trace(
-        *args, dims, out_sharding, np.dtype(config.compute_dtype)
-    ).jaxpr
-    out = _compat.bind_as_dot(jaxpr, args)
+    out = _bind_product(
+        args, dims, out_sharding, None, np.dtype(config.compute_dtype)
+    )
     keep_lhs = _reused(row.input, row.input_for_grad_weight)
     keep_rhs = _reused(row.weight, row.weight_for_grad_input)
     return out, (
@@ -416,10 +431,11 @@ def _cotangent_product(
     g: jax.Array, gs: jax.Array, qy: jax.Array, ys: jax.Array, dims: Dims,
     sharding: Any, out_axes: tuple[int, ...], dtype: np.dtype,
 ) -> jax.Array:  # fmt: skip
-    """:func:`_scaled_dot`, transposed to x's axes, in x's dtype: a jit,
-    one equation of the backward pass (bound a few hundred times in a
-    deep model's step, each a dozen-odd operations otherwise)."""
-    return _scaled_dot(g, gs, qy, ys, dims, sharding, out_axes, dtype)
+    """:func:`_product`, transposed to x's axes, in x's dtype: a jit, one
+    equation of the backward pass (bound a few hundred times in a deep
+    model's step, each a dozen-odd operations otherwise), traced and
+    lowered once per signature."""
+    return _bind_product((g, gs, qy, ys), dims, sharding, out_axes, dtype)
 
 
 def _fp8_dot_bwd(
