@@ -928,7 +928,11 @@ def _dot_primitive() -> Any:
     mlir.register_lowering(
         primitive, mlir.lower_fun(evaluate, multiple_results=False)
     )
-    mlir.register_lowering(primitive, lower_for_cuda, platform="cuda")
+    # Any: jax 0.7's LoweringRule protocol types the context and params
+    # more narrowly than a rule written for every supported JAX.
+    mlir.register_lowering(
+        primitive, cast(Any, lower_for_cuda), platform="cuda"
+    )
     batching.primitive_batchers[primitive] = batch
     rules[primitive] = remat_rule
     return primitive
