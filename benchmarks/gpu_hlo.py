@@ -652,7 +652,9 @@ def autocast_census(
         except Exception as err:  # cuDNN's library missing, say
             if "attention" not in kwargs:
                 raise
-            out[name] = f"{type(err).__name__}: {str(err)[:160]}"
+            # One line: the cell of a markdown table.
+            why = " ".join(str(err).split())
+            out[name] = f"{type(err).__name__}: {why[:160]}"
             continue
         seconds = time.perf_counter() - start
         temp = compiled.memory_analysis().temp_size_in_bytes / 1e6
@@ -731,8 +733,13 @@ def _header(args: argparse.Namespace) -> str:
             "(it needs the GPU), by `python benchmarks/gpu_hlo.py"
         )
     default = "xla" if args.target == "attached" else "cublas"
-    flags = (" --quick" if args.quick else "") + (
-        "" if args.gemm == default else f" --gemm {args.gemm}"
+    sections = (
+        "" if args.sections == SECTIONS else f" --sections {args.sections}"
+    )
+    flags = (
+        (" --quick" if args.quick else "")
+        + sections
+        + ("" if args.gemm == default else f" --gemm {args.gemm}")
     )
     gemms = (
         "GEMMs are cuBLAS(Lt) calls (Triton GEMM fusions off), as the "
@@ -752,13 +759,16 @@ def _header(args: argparse.Namespace) -> str:
     )
 
 
+SECTIONS = "optimizer,leaves,mlp,autocast"
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(
         description=(__doc__ or "").splitlines()[0]
     )
     parser.add_argument("--target", default="h200", choices=TARGETS)
     parser.add_argument(
-        "--sections", default="optimizer,leaves,mlp,autocast",
+        "--sections", default=SECTIONS,
         help="comma-separated: optimizer, leaves, mlp, autocast",
     )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="small sizes")
