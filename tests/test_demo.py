@@ -3,7 +3,9 @@
 import contextlib
 import dataclasses
 import io
+import os
 import pathlib
+import platform
 import re
 import subprocess
 import sys
@@ -363,24 +365,55 @@ def test_gpt_float8_modes_train(tmp_path, capsys):
     assert np.abs(tensorwise.losses - rowwise.losses).max() > 0
     # The run the pages quote (benchmarks/RESULTS-demo-gpt.md) was made by
     # this code: its 10-step losses, recorded beside it, come back to the
-    # last bit on the JAX it was made with (tests/test_figures.py checks
-    # the pages against the run). A change to float8's numbers fails here
-    # until the run is made again.
+    # last bit with the JAX and on the CPU they were recorded with
+    # (tests/test_figures.py checks the pages against the run). A change
+    # to float8's numbers fails here until the run is made again. The bits
+    # are the CPU's: the vector code XLA emits for it and the threads it
+    # splits a matmul over change them (the same 10 steps end up to 0.07%
+    # apart with SSE4.2, AVX or AVX2 code, or on one core), so elsewhere
+    # the losses are held to a tolerance three times that spread.
     recorded = _recorded_ten_steps()
     if jax.__version__ == recorded["jax"]:
         for r in results:
-            assert repr(float(r.final_loss)) == recorded[r.mode], r.mode
+            if _cpu() == recorded["cpu"]:
+                assert repr(float(r.final_loss)) == recorded[r.mode], r.mode
+            else:
+                want = float(recorded[r.mode])
+                assert abs(r.final_loss - want) < 2e-3 * want, r.mode
     out = capsys.readouterr().out
     assert "| fp8-rowwise-gw-hp |" in out
     assert (tmp_path / "gpt_demo.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def _cpu() -> str:
+    """This machine's CPU as RESULTS-demo-gpt.md names the one its 10-step
+    losses were recorded on: vendor, family and model, and the CPUs this
+    process may run on."""
+    fields = {}
+    with contextlib.suppress(OSError):
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count()
+    return (
+        f"{platform.machine()} {fields.get('vendor_id', '?')} family "
+        f"{fields.get('cpu family', '?')} model {fields.get('model', '?')}, "
+        f"{cpus} CPUs"
+    )
+
+
 def _recorded_ten_steps() -> dict[str, str]:
     """The 10-step final losses recorded with the demo GPT's float8 run,
-    and the JAX version (benchmarks/RESULTS-demo-gpt.md)."""
+    and the JAX version and CPU they were recorded with
+    (benchmarks/RESULTS-demo-gpt.md)."""
     text = (ROOT / "benchmarks" / "RESULTS-demo-gpt.md").read_text()
-    found = dict(re.findall(r"^- `([\w.-]+)`: `([\d.]+)`$", text, re.M))
+    check = text[text.index("## The 10-step check") :]
+    found = dict(re.findall(r"^- `([\w.-]+)`: `([\d.]+)`$", check, re.M))
     found["jax"] = re.search(r"^jax ([\d.]+),", text, re.M)[1]
+    found["cpu"] = re.search(r"recorded on\s+`([^`]+)`", check)[1]
     return found
 
 

@@ -7,8 +7,8 @@ Here every loss that ``docs/guide/float8.md`` and ``docs/transformer.md``
 quote for those runs is read back and compared with the recorded table,
 and every gap they quote is recomputed from the recorded losses. The
 recorded run is tied to the code by its 10-step losses, which
-``tests/test_demo.py::test_gpt_float8_modes_train`` checks on the JAX
-version the run was made with.
+``tests/test_demo.py::test_gpt_float8_modes_train`` checks to the last
+bit with the JAX version and on the CPU they were recorded with.
 """
 
 from __future__ import annotations
@@ -304,6 +304,7 @@ def test_the_float8_page_quotes_the_recorded_trace_ratios():
 # counts the pages quote are read from their tables.
 
 GPU_HLO = ROOT / "benchmarks" / "RESULTS-gpu-hlo.md"
+GPU_HLO_012 = ROOT / "benchmarks" / "RESULTS-gpu-hlo-jax-0.12.md"
 GPU_HLO_BEFORE = ROOT / "benchmarks" / "RESULTS-gpu-hlo-before.md"
 
 
@@ -370,11 +371,13 @@ def test_the_pages_quote_the_recorded_gpu_kernel_counts():
             assert phrase in pages[path], (path.name, phrase)
 
 
-def _gpt_rows(remat: str) -> dict[str, list[str]]:
-    """The demo GPT table's rows under ``remat``: kernels, GEMMs, float8
-    GEMMs, reductions, other kernels, non-GEMM MB, TFLOP (float8), temp
-    MB, compile s."""
-    text = GPU_HLO.read_text()
+def _gpt_rows(
+    remat: str, record: pathlib.Path = GPU_HLO
+) -> dict[str, list[str]]:
+    """The demo GPT table's rows under ``remat`` in ``record``: kernels,
+    GEMMs, float8 GEMMs, reductions, other kernels, non-GEMM MB, TFLOP
+    (float8), temp MB, compile s."""
+    text = record.read_text()
     table = text[text.index(f"remat {remat}\n") :].split("\n## ")[0]
     return {row[0]: row[1:] for row in _table_rows_in(table, r"[a-z].*")}
 
@@ -408,13 +411,24 @@ def test_the_pages_quote_the_recorded_gpu_gpt_census():
         f"to {flash[7]} MB",
         f"{gb(hand)} with its attention written out, {gb(hand_flash)} with "
         f"cuDNN's (and {hand_flash[7]} MB",
-        f"Its GEMMs are {tflop(hand)[0]} TFLOP",
-        f"({bf16[1]} GEMMs against {hand[1]}:",
+        f"The model cast by hand has {hand[1]} GEMMs, {tflop(hand)[0]} "
+        f"TFLOP; the autocast step {bf16[1]}, {tflop(bf16)[0]} TFLOP",
         f"{tflop(fp8)[1]} of the per-tensor step's {tflop(fp8)[0]} TFLOP",
         f"{fp8[0]} kernels against {flash[0]}",
         f"({gb(fp8)[:-3]} GB against {gb(flash)[:-3]})",
     ):
         assert phrase in page, phrase
+    # jax 0.12.1's census, where the two steps have the same GEMMs.
+    for name in ("none", "dots_with_no_batch_dims_saveable"):
+        new = _gpt_rows(name, GPU_HLO_012)
+        ac, hc = new["autocast bfloat16"], new["hand-cast bfloat16"]
+        assert ac[1] == hc[1], name  # the GEMMs
+        for phrase in (
+            f"{ac[0]} kernels against {hc[0]}",
+            f"{gb(ac)[:-3]} GB against {gb(hc)[:-3]}",
+            f"{ac[7]} MB against {hc[7]}",
+        ):
+            assert phrase in page, (name, phrase)
     float8 = re.sub(r"\s+", " ", FLOAT8_PAGE.read_text())
     phrase = (
         f"needs {remat['float8 tensorwise'][7]} MB of temporary memory in "
